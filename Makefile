@@ -1,0 +1,37 @@
+# polyserve: `make run` starts the host, `make test` runs the tests. Both install what
+# is missing into .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run build test lint bench settings-table clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/gunicorn -c gunicorn.conf.py
+
+# The seed's `make build`: build what the examples need, then start the host.
+build: install run
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+settings-table: install
+	$(BIN)/python -m polyserve.settings
+
+clean:
+	rm -rf $(VENV) polyserve-data .pytest_cache .ruff_cache *.egg-info

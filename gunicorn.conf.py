@@ -1,0 +1,25 @@
+"""gunicorn configuration: values from polyserve.settings, hooks from polyserve.hooks.
+
+gunicorn reads every top-level name here as a setting, so helpers are underscored.
+"""
+
+import os as _os
+
+from polyserve import hooks as _hooks
+from polyserve import settings as _settings
+
+_s = _settings.load()
+
+bind = _s.bind
+workers = _s.workers
+worker_class = "uvicorn_worker.UvicornWorker"
+wsgi_app = "polyserve.app:app"
+# gunicorn 27 binds a control socket under $HOME by default, where two hosts would fight
+# over one path; each host gets its own in its data directory instead.
+control_socket = _os.path.join(_os.path.abspath(_s.data_dir), "gunicorn.ctl")
+
+on_starting = _hooks.on_starting
+pre_fork = _hooks.pre_fork
+post_fork = _hooks.post_fork
+child_exit = _hooks.child_exit
+on_exit = _hooks.on_exit

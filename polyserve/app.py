@@ -1,0 +1,258 @@
+"""The ASGI entry: the control plane under /_polyserve, space dispatch under /s/{owner}/{name}."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+
+from polyserve import hooks, loader
+from polyserve import settings as settings_mod
+from polyserve.control import CONTROL_SIGNAL, Control
+from polyserve.shm import Table
+from polyserve.spaces import NotDeployed, Registry
+from polyserve.store import Staged, Store, StoreError, parse_space
+from polyserve.validate import validate
+
+log = logging.getLogger("polyserve")
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class Host:
+    """Everything one worker serves with; the side effects wait for the lifespan startup."""
+
+    def __init__(self, settings: settings_mod.Settings, clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.started = time.time()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        s = self.settings
+        self.store = Store(s.data_dir, s.max_spaces)
+        table, worker_slot = hooks.inherited() or (Table.anonymous(1, s.max_spaces), None)
+        self.control = Control(table, worker_slot)
+        self.registry = Registry(
+            self.store, self.control, s.idle_ttl, s.import_timeout, clock=self.clock
+        )
+        # Off the main thread (an in-process test client) there is no signal handler:
+        # requests still read the generation word, which alone keeps the contract.
+        with contextlib.suppress(RuntimeError, ValueError):
+            asyncio.get_running_loop().add_signal_handler(CONTROL_SIGNAL, self.registry.refresh)
+        self.control.publish_pid()
+        reaper = asyncio.create_task(self.registry.reaper())
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            await self.registry.close()
+
+    # -- the data plane --------------------------------------------------------------
+
+    async def dispatch(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Mounted at /s/{owner}/{name}: Mount has already extended root_path."""
+        params = scope["path_params"]
+        space = f"{params['owner']}/{params['name']}"
+        try:
+            active = await self.registry.acquire(space)
+        except NotDeployed:
+            return await _answer(
+                scope,
+                receive,
+                send,
+                404,
+                {"error": f"space {space} is not deployed", "space": space},
+            )
+        except loader.LoadError as exc:
+            return await _answer(scope, receive, send, 500, {**exc.details, "space": space})
+        started = False
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        imported = active.imported
+        if imported.kind == "app":
+            scope["state"] = imported.state.copy()  # lifespan state, shallow-copied per ASGI
+        # The space must see what it would under `uvicorn --root-path /s/owner/name`: the
+        # host's router and app root would make its url_for look up the host's routes.
+        scope.pop("router", None)
+        scope.pop("app_root_path", None)
+        try:
+            await imported.app(scope, receive, tracking_send)
+        except Exception:
+            log.exception("space %s v%d raised", space, imported.version)
+            if started:
+                raise  # mid-response: the server closes the connection
+            await _answer(
+                scope,
+                receive,
+                send,
+                500,
+                {"error": f"space {space} raised an exception; see the host log", "space": space},
+            )
+        finally:
+            self.registry.release(active)
+
+    # -- the control plane ---------------------------------------------------------------
+
+    async def deploy(self, request: Request) -> Response:
+        limit = self.settings.max_upload_mb << 20
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise _too_large(limit)
+        request = Request(request.scope, _limited(request.receive, limit))
+        try:
+            async with request.form(max_files=1, max_fields=2) as form:
+                space, module = form.get("space"), form.get("module")
+                if not isinstance(space, str) or not space:
+                    raise StoreError(422, "missing form field `space` (owner/name)")
+                parse_space(space)
+                if not isinstance(module, UploadFile):
+                    raise StoreError(
+                        422,
+                        "missing file field `module`: send -F module=@file.py"
+                        " or -F module=@space.tar",
+                    )
+                staged = await anyio.to_thread.run_sync(
+                    self.store.stage, module.file, module.filename or "", limit * 4
+                )
+        except _TooLarge:
+            raise _too_large(limit) from None
+        try:
+            checked = await validate(
+                staged.dir,
+                staged.entry,
+                self.settings.import_timeout,
+                self.settings.import_memory_mb,
+            )
+            number = await anyio.to_thread.run_sync(self._publish, space, staged, checked)
+        finally:
+            self.store.discard(staged)  # after a publish the directory has moved: a no-op
+        # Every worker reads the generation word per request, so the contract holds from
+        # here on; the signal only makes workers swap before their next request.
+        self.control.announce()
+        self.registry.refresh()
+        return JSONResponse(
+            {
+                "space": space,
+                "version": number,
+                "sha256": staged.sha256,
+                "size": staged.size,
+                "entry": staged.entry,
+                **checked,
+            }
+        )
+
+    def _publish(self, space: str, staged: Staged, checked: dict[str, object]) -> int:
+        with self.store.locked():
+            slot, number = self.store.publish(space, staged, checked)
+            self.control.bump(slot)
+        return number
+
+    async def delete(self, request: Request) -> Response:
+        space = parse_space(f"{request.path_params['owner']}/{request.path_params['name']}")
+
+        def undeploy() -> bool:
+            with self.store.locked():
+                slot = self.store.delete(space)
+                if slot is not None:
+                    self.control.bump(slot)
+                return slot is not None
+
+        if not await anyio.to_thread.run_sync(undeploy):
+            raise StoreError(404, f"space {space} is not deployed", space=space)
+        self.control.announce()
+        self.registry.refresh()
+        return JSONResponse({"space": space, "deleted": True})
+
+    async def list_spaces(self, request: Request) -> Response:
+        return JSONResponse({"spaces": await anyio.to_thread.run_sync(self.store.spaces)})
+
+    async def usage(self, request: Request) -> Response:
+        # The shared-memory usage table is issue 3; until then: no counts rather than
+        # invented ones.
+        return JSONResponse({"spaces": {}})
+
+    async def health(self, request: Request) -> Response:
+        """This worker: its pid and the version of each space it holds."""
+        loaded = {space: a.version.number for space, a in self.registry.active.items()}
+        return JSONResponse({"ok": True, "pid": os.getpid(), "loaded": loaded})
+
+
+def _limited(receive: Any, limit: int) -> Any:
+    """Count body bytes as they stream in, so a chunked upload stops at the cap."""
+    seen = 0
+
+    async def limited_receive() -> dict[str, Any]:
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise _TooLarge()
+        return message
+
+    return limited_receive
+
+
+def _too_large(limit: int) -> StoreError:
+    return StoreError(413, f"upload is larger than {limit >> 20} MiB (POLYSERVE_MAX_UPLOAD_MB)")
+
+
+async def _answer(
+    scope: dict[str, Any], receive: Any, send: Any, status: int, body: dict[str, object]
+) -> None:
+    if scope["type"] == "http":
+        await JSONResponse(body, status_code=status)(scope, receive, send)
+    elif scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1011 if status >= 500 else 1008})
+
+
+async def _store_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StoreError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+def create_app(
+    settings: settings_mod.Settings | None = None, clock: Callable[[], float] = time.monotonic
+) -> Starlette:
+    host = Host(settings or settings_mod.load(), clock)
+    routes = [
+        Route("/_polyserve/deploy", host.deploy, methods=["POST"]),
+        Route("/_polyserve/spaces", host.list_spaces, methods=["GET"]),
+        Route("/_polyserve/spaces/{owner}/{name}", host.delete, methods=["DELETE"]),
+        Route("/_polyserve/usage", host.usage, methods=["GET"]),
+        Route("/_polyserve/health", host.health, methods=["GET"]),
+        Mount("/s/{owner}/{name}", app=host.dispatch),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=host.lifespan,
+        exception_handlers={StoreError: _store_error, HTTPException: _http_error},
+    )
+    app.state.host = host
+    return app
+
+
+app = create_app()

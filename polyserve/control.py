@@ -1,0 +1,53 @@
+"""Deploy broadcast: per-space generation words and the control signal to workers."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+from polyserve.shm import Table
+
+# SIGWINCH: gunicorn's worker and uvicorn-worker leave it unused, and its default
+# action is to ignore it, so a signal that reaches a worker before its handler is
+# installed is harmless instead of fatal. Workers also only publish their pid once
+# the handler is in place.
+CONTROL_SIGNAL = signal.SIGWINCH
+
+
+class Control:
+    """One process's handle on the generation words and the worker pid rows."""
+
+    def __init__(self, table: Table, worker_slot: int | None) -> None:
+        self.table = table
+        self.worker_slot = worker_slot
+
+    def generation(self, space_slot: int) -> int:
+        return self.table.generations[space_slot]
+
+    def bump(self, space_slot: int) -> int:
+        """Advance a space's generation. Callers hold the space's store lock."""
+        gen = self.table.generations[space_slot] + 1
+        self.table.generations[space_slot] = gen
+        return gen
+
+    def publish_pid(self) -> None:
+        """Make this worker reachable by announce(); call once the handler is installed."""
+        if self.worker_slot is not None:
+            self.table.pids[self.worker_slot] = os.getpid()
+
+    def announce(self) -> int:
+        """Signal every other live worker to re-check its spaces; returns how many."""
+        me = os.getpid()
+        sent = 0
+        for pid in self.table.pids.tolist():
+            if pid in (0, me):
+                continue
+            try:
+                os.kill(pid, CONTROL_SIGNAL)
+                sent += 1
+            except OSError as exc:
+                # A worker that just died: the master clears its row in child_exit.
+                if exc.errno != errno.ESRCH:
+                    raise
+        return sent

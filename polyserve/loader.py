@@ -1,0 +1,332 @@
+"""Import one space version into a fresh module namespace, adapt it to ASGI, run its lifespan.
+
+Each version becomes a package with a unique name (``_ps_<owner>__<name>__v<n>_<k>``)
+whose ``__path__`` is the version directory, so ``from . import helpers`` works. Every
+module of the version also gets its own ``__builtins__`` whose ``__import__`` maps a
+top-level name that the version ships (``import helpers``) to the version's own module.
+Because a function looks builtins up through its module's globals, that holds for
+imports run lazily inside a handler at request time too, and costs other code nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import importlib
+import importlib.machinery
+import inspect
+import itertools
+import logging
+import os
+import re
+import sys
+import threading
+import traceback
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[
+    [Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]
+]
+
+log = logging.getLogger("polyserve")
+_real_import = builtins.__import__
+_counter = itertools.count(1)
+_counter_lock = threading.Lock()
+
+
+class LoadError(Exception):
+    """A version that cannot be imported or started; details say where and why."""
+
+    def __init__(self, message: str, **details: object) -> None:
+        super().__init__(message)
+        self.details = {"error": message, **details}
+
+
+# -- the import machinery -----------------------------------------------------------
+
+
+class _SpaceLoader(importlib.machinery.SourceFileLoader):
+    """A source loader that hands each module the version's own builtins before exec."""
+
+    def __init__(self, fullname: str, path: str, space_builtins: dict[str, Any]) -> None:
+        super().__init__(fullname, path)
+        self.space_builtins = space_builtins
+
+    def exec_module(self, module: Any) -> None:
+        module.__dict__["__builtins__"] = self.space_builtins
+        super().exec_module(module)
+
+
+class _SpaceFinder:
+    """Finds the modules of registered version packages; registered once on sys.meta_path."""
+
+    def __init__(self) -> None:
+        self.packages: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        top, dot, _ = fullname.partition(".")
+        found = self.packages.get(top)
+        if found is None:
+            return None
+        root, space_builtins = found
+        if not dot:  # the version package itself: a namespace over the version dir
+            spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
+            spec.submodule_search_locations = [str(root)]
+            return spec
+        details = [
+            (
+                partial(_SpaceLoader, space_builtins=space_builtins),
+                importlib.machinery.SOURCE_SUFFIXES,
+            ),
+            (importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES),
+        ]
+        for entry in path or ():
+            spec = importlib.machinery.FileFinder(entry, *details).find_spec(fullname, target)
+            if spec is not None:
+                return spec
+        return None
+
+
+_finder = _SpaceFinder()
+sys.meta_path.insert(0, _finder)
+
+
+def _space_builtins(package: str, top_names: frozenset[str]) -> dict[str, Any]:
+    def space_import(
+        name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0
+    ) -> Any:
+        top = name.partition(".")[0]
+        if level == 0 and top in top_names:
+            module = _real_import(f"{package}.{name}", globals, locals, fromlist, 0)
+            return module if fromlist else sys.modules[f"{package}.{top}"]
+        return _real_import(name, globals, locals, fromlist, level)
+
+    space = dict(builtins.__dict__)
+    space["__import__"] = space_import
+    return space
+
+
+def _top_names(root: Path) -> frozenset[str]:
+    """Module and package names at the top of a version: what `import x` may mean there."""
+    names = set()
+    for p in root.iterdir():
+        if p.is_dir() and p.name != "__pycache__":
+            names.add(p.name)
+        elif p.suffix == ".py" or any(
+            p.name.endswith(s) for s in importlib.machinery.EXTENSION_SUFFIXES
+        ):
+            names.add(p.name.split(".", 1)[0])
+    return frozenset(names)
+
+
+# -- one imported version -----------------------------------------------------------------
+
+
+@dataclass
+class Imported:
+    """A version imported into this process, ready to serve once started."""
+
+    space: str
+    version: int
+    package: str
+    module: Any
+    kind: str  # "app" or "handle"
+    app: ASGIApp
+    state: dict[str, Any] = field(default_factory=dict)  # the lifespan state, per ASGI
+    lifespan: _Lifespan | None = None
+
+
+def import_version(space: str, version: int, root: Path, entry: str) -> Imported:
+    """Import a version's entry module under a fresh package name (thread-safe)."""
+    with _counter_lock:
+        n = next(_counter)
+    package = "_ps_" + re.sub(r"\W", "_", space.replace("/", "__")) + f"__v{version}_{n}"
+    root = Path(root)
+    _finder.packages[package] = (root, _space_builtins(package, _top_names(root)))
+    try:
+        module = importlib.import_module(f"{package}.{entry.removesuffix('.py')}")
+        kind, app = _find_callable(module, entry)
+    except LoadError:
+        forget(package)
+        raise
+    except (Exception, SystemExit) as exc:  # sys.exit() at import is the tenant's error too
+        forget(package)
+        raise LoadError(**describe(exc, root)) from exc
+    return Imported(space, version, package, module, kind, app)
+
+
+def _find_callable(module: Any, entry: str) -> tuple[str, ASGIApp]:
+    app = getattr(module, "app", None)
+    if app is not None:
+        if not callable(app):
+            raise LoadError(f"{entry}: `app` must be an ASGI application (a callable)")
+        return "app", app
+    handle = getattr(module, "handle", None)
+    if handle is not None:
+        if not callable(handle):
+            raise LoadError(f"{entry}: `handle` must be a function taking a request")
+        return "handle", HandleApp(handle)
+    raise LoadError(
+        f"{entry} defines neither `app` (an ASGI application) nor `handle(request)`:"
+        " export one of them at module level",
+        file=entry,
+    )
+
+
+def forget(package: str) -> None:
+    """Drop every module of a version package so nothing here references it any more."""
+    _finder.packages.pop(package, None)
+    prefix = package + "."
+    for name in [n for n in sys.modules if n == package or n.startswith(prefix)]:
+        del sys.modules[name]
+
+
+def describe(exc: BaseException, root: Path) -> dict[str, object]:
+    """An import failure as the deployer needs it: message, and the file and line in the
+    version that raised it (relative to the version root)."""
+    message = f"{type(exc).__name__}: {exc}"
+    file: str | None = None
+    line: int | None = None
+    if isinstance(exc, SyntaxError) and exc.filename:
+        file, line = exc.filename, exc.lineno
+        message = f"SyntaxError: {exc.msg}"
+    else:
+        for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+            if frame.filename.startswith(str(root) + os.sep):
+                file, line = frame.filename, frame.lineno
+                break
+    if file is not None and file.startswith(str(root) + os.sep):
+        file = file[len(str(root)) + 1 :]
+    where = f"{file}, line {line}: " if file else ""
+    return {"message": f"import failed: {where}{message}", "file": file, "line": line}
+
+
+# -- handle() as ASGI ------------------------------------------------------------------------
+
+
+class HandleApp:
+    """Adapts `handle(request)` to ASGI; a sync handle runs in the threadpool, like Starlette."""
+
+    def __init__(self, handle: Callable[[Request], Any]) -> None:
+        self.handle = handle
+        call = getattr(handle, "__call__", None)  # noqa: B004 - async __call__ objects
+        self.is_async = inspect.iscoroutinefunction(handle) or inspect.iscoroutinefunction(call)
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1003})
+            return
+        request = Request(scope, receive, send)
+        if self.is_async:
+            result = await self.handle(request)
+        else:
+            result = await run_in_threadpool(self.handle, request)
+        await to_response(result)(scope, receive, send)
+
+
+def to_response(result: Any) -> Response:
+    """Starlette's Response as is; dict/list as JSON; str text; bytes octet-stream; None 204."""
+    if isinstance(result, Response):
+        return result
+    if isinstance(result, dict | list):
+        return JSONResponse(result)
+    if isinstance(result, str):
+        return PlainTextResponse(result)
+    if isinstance(result, bytes | bytearray | memoryview):
+        return Response(bytes(result), media_type="application/octet-stream")
+    if result is None:
+        return Response(status_code=204)
+    return JSONResponse(
+        {
+            "error": f"handle() returned {type(result).__name__}: return a Response, dict, list,"
+            " str, bytes or None"
+        },
+        status_code=500,
+    )
+
+
+# -- ASGI lifespan ---------------------------------------------------------------------------
+
+
+class _Lifespan:
+    """Drives one app's ASGI lifespan: startup before its first request, shutdown at release."""
+
+    def __init__(self, app: ASGIApp, state: dict[str, Any]) -> None:
+        self.app = app
+        self.state = state
+        self.inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        scope = {
+            "type": "lifespan",
+            "asgi": {"version": "3.0", "spec_version": "2.0"},
+            "state": self.state,
+        }
+        try:
+            await self.app(scope, self.inbox.get, self.events.put)
+        except BaseException as exc:
+            await self.events.put({"type": "crashed", "exc": exc})
+            if not isinstance(exc, Exception):
+                raise
+
+    async def startup(self, timeout: float) -> bool:
+        """True if the app speaks lifespan and started; False if it does not do lifespan."""
+        self.task = asyncio.create_task(self._run())
+        await self.inbox.put({"type": "lifespan.startup"})
+        event = await asyncio.wait_for(self.events.get(), timeout)
+        if event["type"] == "lifespan.startup.complete":
+            return True
+        if event["type"] == "crashed":
+            # Like uvicorn's lifespan="auto": an app that raises on the lifespan scope
+            # simply does not support it.
+            return False
+        raise LoadError(f"app lifespan startup failed: {event.get('message', '')}".strip())
+
+    async def shutdown(self, timeout: float) -> None:
+        if self.task is None or self.task.done():
+            return
+        await self.inbox.put({"type": "lifespan.shutdown"})
+        try:
+            await asyncio.wait_for(self.events.get(), timeout)
+        finally:
+            self.task.cancel()
+
+
+async def start(imported: Imported, timeout: float) -> None:
+    """Run an app's lifespan startup; a failure unloads the version and raises LoadError."""
+    if imported.kind != "app":
+        return
+    lifespan = _Lifespan(imported.app, imported.state)
+    try:
+        if await lifespan.startup(timeout):
+            imported.lifespan = lifespan
+    except TimeoutError:
+        forget(imported.package)
+        raise LoadError(f"app lifespan startup took longer than {timeout:g} s") from None
+    except LoadError:
+        forget(imported.package)
+        raise
+
+
+async def stop(imported: Imported, timeout: float) -> None:
+    """Run lifespan shutdown (bounded by timeout), then forget the version's modules."""
+    try:
+        if imported.lifespan is not None:
+            await imported.lifespan.shutdown(timeout)
+    except Exception:  # a tenant's failing shutdown must not keep its version loaded
+        log.exception("lifespan shutdown of %s v%s failed", imported.space, imported.version)
+    finally:
+        imported.lifespan = None
+        forget(imported.package)

@@ -1,0 +1,204 @@
+"""The per-worker registry: load spaces on demand, hot swap, drain in-flight, idle release."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio.to_thread
+
+from polyserve import loader
+from polyserve.control import Control
+from polyserve.store import Store, StoreError, Version, parse_space
+
+log = logging.getLogger("polyserve")
+
+
+class NotDeployed(Exception):
+    """No version of this space is published (never deployed, deleted, or a bad name)."""
+
+
+@dataclass(eq=False)
+class Active:
+    """One version this worker holds: the one serving, or a retired one still draining."""
+
+    imported: loader.Imported
+    version: Version
+    generation: int  # the space's generation word when this was found current
+    loaded_at: float
+    last_used: float
+    inflight: int = 0
+    retired: bool = False
+    # Keep drop tasks referenced until they finish (asyncio holds tasks only weakly).
+    _dropping: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+class Registry:
+    def __init__(
+        self,
+        store: Store,
+        control: Control,
+        idle_ttl: float,
+        start_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.control = control
+        self.idle_ttl = idle_ttl
+        self.start_timeout = start_timeout
+        self.clock = clock
+        self.active: dict[str, Active] = {}
+        self._slots: dict[str, int] = {}  # slots never change, so cache hits are forever
+        self._loading: dict[str, asyncio.Task[Active]] = {}
+
+    # -- the request path -----------------------------------------------------------
+
+    async def acquire(self, space: str) -> Active:
+        """The version to serve this request with; pair with release()."""
+        slot = self._slots.get(space)
+        if slot is None:
+            slot = self._find_slot(space)
+        while True:
+            generation = self.control.generation(slot)
+            active = self.active.get(space)
+            if active is not None and active.generation == generation:
+                active.inflight += 1
+                return active
+            # Stale or absent. A load started for an older generation may finish with
+            # an older version, so wait for it and look again rather than trust it.
+            task = self._loading.get(space) or self._start_load(space, slot, generation)
+            await asyncio.shield(task)  # a caller that gives up must not cancel the load
+
+    def release(self, active: Active) -> None:
+        active.inflight -= 1
+        active.last_used = self.clock()  # the idle clock starts when a request ends
+        if active.retired and active.inflight == 0:
+            self._drop(active)
+
+    def _find_slot(self, space: str) -> int:
+        try:
+            parse_space(space)
+        except StoreError:
+            raise NotDeployed(space) from None
+        slot = self.store.slot(space)
+        if slot is None:
+            raise NotDeployed(space)
+        if slot >= self.control.table.space_slots:
+            raise loader.LoadError(
+                f"space slot {slot} is outside the shared table: raise POLYSERVE_MAX_SPACES"
+            )
+        self._slots[space] = slot
+        return slot
+
+    # -- loading and swapping ---------------------------------------------------------
+
+    def _start_load(self, space: str, slot: int, generation: int) -> asyncio.Task[Active]:
+        """Load once per space at a time, however many requests and signals ask for it."""
+        task = asyncio.create_task(self._load_once(space, slot, generation))
+        self._loading[space] = task
+        # A load started by refresh() may have no awaiter: mark its error as seen (it is
+        # logged in _load_once) so asyncio does not report it again at collection.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    async def _load_once(self, space: str, slot: int, generation: int) -> Active:
+        try:
+            return await self._load(space, slot, generation)
+        except loader.LoadError as exc:
+            log.warning("loading %s failed: %s", space, exc)
+            raise
+        finally:
+            # Unregister before the task is done: a done task left in _loading would
+            # let acquire() await it without yielding, in a loop that never ends.
+            del self._loading[space]
+
+    async def _load(self, space: str, slot: int, generation: int) -> Active:
+        version = self.store.current(space)
+        current = self.active.get(space)
+        if version is None:
+            if current is not None:
+                self._retire(current)
+            raise NotDeployed(space)
+        if current is not None and current.version == version:
+            current.generation = generation  # a bump that did not change the version
+            return current
+        started = self.clock()
+        imported = await anyio.to_thread.run_sync(
+            loader.import_version, space, version.number, version.dir, version.entry
+        )
+        await loader.start(imported, self.start_timeout)
+        now = self.clock()
+        active = Active(imported, version, generation, loaded_at=started, last_used=now)
+        # The switch: from here on new requests get the new version.
+        self.active[space] = active
+        if current is not None:
+            self._retire(current)
+        log.info(
+            "loaded %s v%d (%s) in %.1f ms",
+            space,
+            version.number,
+            imported.kind,
+            (now - started) * 1000,
+        )
+        return active
+
+    def _retire(self, active: Active) -> None:
+        if self.active.get(active.imported.space) is active:
+            del self.active[active.imported.space]
+        active.retired = True
+        if active.inflight == 0:
+            self._drop(active)
+
+    def _drop(self, active: Active) -> None:
+        if active._dropping is None:
+            active._dropping = asyncio.create_task(loader.stop(active.imported, self.start_timeout))
+
+    # -- control signal and idle release ------------------------------------------------
+
+    def refresh(self) -> None:
+        """On the control signal: start loading every held space whose generation moved,
+        so the swap happens before the next request asks for it."""
+        for space, active in list(self.active.items()):
+            slot = self._slots[space]
+            generation = self.control.generation(slot)
+            if generation != active.generation and space not in self._loading:
+                # A failure is logged; the next request retries and reports it.
+                self._start_load(space, slot, generation)
+
+    async def reap(self, now: float | None = None) -> list[str]:
+        """Release every space idle for idle_ttl; returns their names once dropped."""
+        now = self.clock() if now is None else now
+        idle = [
+            a
+            for a in self.active.values()
+            if a.inflight == 0 and now - a.last_used >= self.idle_ttl
+        ]
+        for active in idle:
+            self._retire(active)
+        await self._wait_dropped(idle)
+        return [a.imported.space for a in idle]
+
+    async def reaper(self) -> None:
+        """Run reap() forever, often enough that a space outlives its TTL by at most 25%."""
+        interval = min(max(self.idle_ttl / 4, 0.05), 30.0)
+        while True:
+            await asyncio.sleep(interval)
+            await self.reap()
+
+    async def close(self) -> None:
+        """Worker shutdown: release everything, running each app's lifespan shutdown."""
+        for task in list(self._loading.values()):
+            task.cancel()
+        held = list(self.active.values())
+        for active in held:
+            self._retire(active)
+        await self._wait_dropped(held)
+
+    @staticmethod
+    async def _wait_dropped(actives: list[Active]) -> None:
+        tasks = [a._dropping for a in actives if a._dropping is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

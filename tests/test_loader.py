@@ -1,0 +1,261 @@
+"""Unit tests of polyserve.loader: fresh namespaces, per-version imports, handle(), lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import sys
+import threading
+import weakref
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from polyserve import loader
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def load(tmp_path: Path, files: dict[str, str], space: str = "o/s", entry: str = "main.py"):
+    root = write(tmp_path / space.replace("/", "_") / "v", files)
+    return loader.import_version(space, 1, root, entry)
+
+
+HELPERS_USER = """
+import helpers
+from . import helpers as relative
+from helpers import WHO as WHO_FROM
+import pkg.inner
+
+def handle(request):
+    import helpers as lazy  # resolved at call time, through this module's builtins
+    return {"top": helpers.WHO, "relative": relative.WHO, "lazy": lazy.WHO,
+            "from": WHO_FROM, "pkg": pkg.inner.WHO}
+"""
+
+
+def test_two_spaces_each_see_their_own_helpers(tmp_path):
+    spaces = {}
+    for who in ("alice", "bob"):
+        spaces[who] = load(
+            tmp_path,
+            {
+                "main.py": HELPERS_USER,
+                "helpers.py": f"WHO = {who!r}\n",
+                "pkg/__init__.py": "",
+                "pkg/inner.py": f"WHO = {who + '-pkg'!r}\n",
+            },
+            space=f"{who}/s",
+        )
+    assert "helpers" not in sys.modules
+    for who, imported in spaces.items():
+        result = imported.module.handle(None)
+        assert result == {
+            "top": who,
+            "relative": who,
+            "lazy": who,
+            "from": who,
+            "pkg": who + "-pkg",
+        }
+        loader.forget(imported.package)
+
+
+def test_each_import_gets_a_fresh_module_name(tmp_path):
+    a = load(tmp_path, {"main.py": "def handle(r): return 1\n"})
+    b = loader.import_version("o/s", 1, Path(a.module.__file__).parent, "main.py")
+    assert a.package != b.package and a.module is not b.module
+    assert a.package.startswith("_ps_o__s__v1_")
+    loader.forget(a.package)
+    loader.forget(b.package)
+
+
+def test_stdlib_and_installed_packages_import_as_usual(tmp_path):
+    imported = load(
+        tmp_path,
+        {
+            "main.py": "import json, starlette\n"
+            "def handle(r):\n    import base64\n"
+            "    return json.dumps([base64.__name__])\n"
+        },
+    )
+    assert imported.module.handle(None) == '["base64"]'
+    loader.forget(imported.package)
+
+
+def test_kind_is_app_when_both_are_exported(tmp_path):
+    imported = load(tmp_path, {"main.py": "async def app(s, r, w): pass\ndef handle(r): pass\n"})
+    assert imported.kind == "app"
+    loader.forget(imported.package)
+
+
+@pytest.mark.parametrize(
+    "source,message,line",
+    [
+        ("x = 1\n", "neither `app`", None),
+        ("app = 3\n", "`app` must be an ASGI application", None),
+        ("def handle(r):\n    return (\n", "SyntaxError", 2),
+        ("import helpers\n", "ModuleNotFoundError: No module named 'helpers'", 1),
+        ("\n\nraise RuntimeError('no model file')\n", "RuntimeError: no model file", 3),
+        ("import sys\nsys.exit(3)\n", "SystemExit: 3", 2),
+    ],
+)
+def test_a_bad_module_is_a_load_error_that_says_where(tmp_path, source, message, line):
+    with pytest.raises(loader.LoadError, match=message) as err:
+        load(tmp_path, {"main.py": source})
+    if line is not None:
+        assert err.value.details["file"] == "main.py"
+        assert err.value.details["line"] == line
+        assert f"main.py, line {line}" in err.value.details["error"]
+    assert not [n for n in sys.modules if n.startswith("_ps_o__s__")]
+
+
+def test_a_forgotten_version_is_collected(tmp_path):
+    imported = load(
+        tmp_path,
+        {
+            "main.py": "import helpers\ndef handle(r): return helpers\n",
+            "helpers.py": "BIG = bytearray(1 << 20)\n",
+        },
+    )
+    module = weakref.ref(imported.module)
+    helpers = weakref.ref(imported.module.handle(None))
+    loader.forget(imported.package)
+    del imported
+    gc.collect()
+    assert module() is None and helpers() is None
+    assert not [n for n in sys.modules if n.startswith("_ps_o__s__")]
+
+
+# -- handle() ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "result,status,body,ctype",
+    [
+        ({"a": 1}, 200, b'{"a":1}', "application/json"),
+        ([1, 2], 200, b"[1,2]", "application/json"),
+        ("hi", 200, b"hi", "text/plain; charset=utf-8"),
+        (b"\x00\x01", 200, b"\x00\x01", "application/octet-stream"),
+        (None, 204, b"", None),
+        (3.5, 500, None, "application/json"),
+    ],
+)
+def test_handle_results_become_responses(result, status, body, ctype):
+    client = TestClient(loader.HandleApp(lambda request: result))
+    response = client.get("/")
+    assert response.status_code == status
+    assert response.headers.get("content-type") == ctype
+    if body is not None:
+        assert response.content == body
+    else:
+        assert "return a Response, dict, list, str, bytes or None" in response.json()["error"]
+
+
+def test_a_response_is_passed_through():
+    from starlette.responses import PlainTextResponse
+
+    client = TestClient(loader.HandleApp(lambda r: PlainTextResponse("t", status_code=201)))
+    response = client.get("/")
+    assert (response.status_code, response.text) == (201, "t")
+
+
+def test_sync_handle_runs_in_the_threadpool_and_async_handle_inline():
+    seen = {}
+
+    def sync_handle(request):
+        seen["sync"] = threading.get_ident()
+
+    async def async_handle(request):
+        seen["async"] = threading.get_ident()
+        seen["loop"] = id(asyncio.get_running_loop())
+
+    assert not loader.HandleApp(sync_handle).is_async
+    assert loader.HandleApp(async_handle).is_async
+
+    async def main():
+        seen["loop_thread"] = threading.get_ident()
+        for handle in (sync_handle, async_handle):
+            app = loader.HandleApp(handle)
+            sent: list[dict] = []
+            scope = {
+                "type": "http",
+                "method": "GET",
+                "path": "/",
+                "headers": [],
+                "query_string": b"",
+            }
+
+            async def receive():
+                return {"type": "http.request", "body": b""}
+
+            async def send(message, sent=sent):
+                sent.append(message)
+
+            await app(scope, receive, send)
+            assert sent[0]["status"] == 204
+
+    asyncio.run(main())
+    assert seen["async"] == seen["loop_thread"]
+    assert seen["sync"] != seen["loop_thread"]
+
+
+# -- lifespan ----------------------------------------------------------------------------
+
+LIFESPAN_APP = """
+import contextlib
+from starlette.applications import Starlette
+EVENTS = []
+
+@contextlib.asynccontextmanager
+async def lifespan(app):
+    EVENTS.append("startup")
+    yield {"ready": True}
+    EVENTS.append("shutdown")
+
+app = Starlette(lifespan=lifespan)
+"""
+
+
+def test_lifespan_startup_gives_state_and_stop_runs_shutdown(tmp_path):
+    imported = load(tmp_path, {"main.py": LIFESPAN_APP})
+    events = imported.module.EVENTS
+
+    async def main():
+        await loader.start(imported, timeout=5)
+        assert events == ["startup"] and imported.state == {"ready": True}
+        await loader.stop(imported, timeout=5)
+
+    asyncio.run(main())
+    assert events == ["startup", "shutdown"]
+    assert imported.package not in sys.modules
+
+
+def test_an_app_without_lifespan_support_still_starts(tmp_path):
+    imported = load(
+        tmp_path,
+        {"main.py": "async def app(scope, receive, send):\n    assert scope['type'] == 'http'\n"},
+    )
+    asyncio.run(loader.start(imported, timeout=5))
+    assert imported.lifespan is None
+    loader.forget(imported.package)
+
+
+def test_a_failing_startup_is_a_load_error(tmp_path):
+    imported = load(
+        tmp_path,
+        {
+            "main.py": LIFESPAN_APP.replace(
+                'EVENTS.append("startup")', 'raise RuntimeError("model missing")'
+            )
+        },
+    )
+    with pytest.raises(loader.LoadError, match="startup failed"):
+        asyncio.run(loader.start(imported, timeout=5))
+    assert imported.package not in sys.modules

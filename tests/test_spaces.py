@@ -1,0 +1,279 @@
+"""Unit tests of polyserve.spaces: on-demand load, hot swap with drain, idle release.
+
+The clock is injected and the shared table is anonymous, so nothing sleeps or forks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import io
+import threading
+import weakref
+from pathlib import Path
+
+import pytest
+
+from polyserve import loader
+from polyserve.control import Control
+from polyserve.shm import Table
+from polyserve.spaces import NotDeployed, Registry
+from polyserve.store import Store
+from tests.conftest import make_tar
+
+TTL = 100.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class World:
+    """A store, a table and one worker's registry."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.store = Store(tmp_path / "data", max_spaces=8)
+        self.control = Control(Table.anonymous(1, 8), worker_slot=0)
+        self.clock = Clock()
+        self.registry = Registry(self.store, self.control, TTL, 5.0, clock=self.clock)
+
+    def deploy(self, space: str, source: str) -> int:
+        staged = self.store.stage(io.BytesIO(make_tar({"main.py": source})), "s.tar", 1 << 20)
+        with self.store.locked():
+            slot, number = self.store.publish(space, staged, {"kind": "?", "import_ms": 0})
+            self.control.bump(slot)
+        return number
+
+    def delete(self, space: str) -> None:
+        with self.store.locked():
+            self.control.bump(self.store.delete(space))
+
+    async def call(self, space: str):
+        active = await self.registry.acquire(space)
+        try:
+            return active.imported.module.VERSION
+        finally:
+            self.registry.release(active)
+
+
+def version(n: int, extra: str = "") -> str:
+    return f"VERSION = {n}\n{extra}def handle(request):\n    return VERSION\n"
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def count_imports(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    real = loader.import_version
+
+    def counting(space, *args):
+        calls.append(space)
+        return real(space, *args)
+
+    monkeypatch.setattr(loader, "import_version", counting)
+    return calls
+
+
+def test_concurrent_first_requests_load_once(world, monkeypatch):
+    calls = count_imports(monkeypatch)
+    world.deploy("o/s", version(1))
+
+    async def main():
+        return await asyncio.gather(*(world.call("o/s") for _ in range(20)))
+
+    assert run(main()) == [1] * 20
+    assert calls == ["o/s"]
+
+
+def test_nothing_is_imported_before_the_first_request(world, monkeypatch):
+    calls = count_imports(monkeypatch)
+    world.deploy("o/s", version(1))
+    assert calls == [] and world.registry.active == {}
+
+
+@pytest.mark.parametrize("name", ["o/missing", "../x", "a/b/c", "o/.hidden"])
+def test_unknown_or_invalid_spaces_are_not_deployed(world, name):
+    with pytest.raises(NotDeployed):
+        run(world.call(name))
+
+
+def test_a_new_generation_swaps_and_drains_the_old_version(world):
+    world.deploy("o/s", version(1, "import contextlib\n"))
+
+    async def main():
+        old = await world.registry.acquire("o/s")  # an in-flight request on v1
+        old_module = weakref.ref(old.imported.module)
+        world.deploy("o/s", version(2))
+        assert await world.call("o/s") == 2  # new requests get v2 at once
+        assert old.retired and old_module() is not None  # v1 drains, not dropped
+        world.registry.release(old)
+        await asyncio.gather(old._dropping)
+        del old
+        return old_module
+
+    old_module = run(main())
+    gc.collect()
+    assert old_module() is None
+
+
+def test_a_bump_without_a_new_version_does_not_reimport(world, monkeypatch):
+    calls = count_imports(monkeypatch)
+    world.deploy("o/s", version(1))
+    run(world.call("o/s"))
+    world.control.bump(world.store.slot("o/s"))
+    assert run(world.call("o/s")) == 1
+    assert calls == ["o/s"]
+
+
+def test_a_load_for_an_older_generation_is_not_trusted(world, monkeypatch):
+    """A request that arrives after a deploy never gets the version before it, even if
+    a load of the older version is still running when it arrives."""
+    world.deploy("o/s", version(1))
+    importing, proceed = threading.Event(), threading.Event()
+    imported_versions: list[int] = []
+    real = loader.import_version
+
+    def slow_import(space, number, *args):
+        imported_versions.append(number)
+        importing.set()
+        proceed.wait(5)
+        return real(space, number, *args)
+
+    monkeypatch.setattr(loader, "import_version", slow_import)
+
+    async def main():
+        first = asyncio.create_task(world.call("o/s"))
+        while not importing.is_set():  # the load of v1 is inside its import
+            await asyncio.sleep(0.001)
+        world.deploy("o/s", version(2))  # ... and the deploy answers now
+        second = asyncio.create_task(world.call("o/s"))
+        proceed.set()
+        return await first, await second
+
+    first, second = run(main())
+    assert imported_versions == [1, 2]
+    assert second == 2
+    assert first == 2  # it too re-checked the generation before using the result
+
+
+def test_delete_makes_the_space_not_deployed(world):
+    world.deploy("o/s", version(1))
+
+    async def main():
+        assert await world.call("o/s") == 1
+        world.delete("o/s")
+        with pytest.raises(NotDeployed):
+            await world.call("o/s")
+        assert world.registry.active == {}
+
+    run(main())
+
+
+def test_refresh_swaps_without_waiting_for_a_request(world):
+    world.deploy("o/s", version(1))
+
+    async def main():
+        await world.call("o/s")
+        world.deploy("o/s", version(2))
+        world.registry.refresh()  # what the control signal does
+        await asyncio.gather(*world.registry._loading.values())
+        return world.registry.active["o/s"].imported.module.VERSION
+
+    assert run(main()) == 2
+
+
+def test_idle_spaces_are_released_after_the_ttl(world, monkeypatch):
+    calls = count_imports(monkeypatch)
+    world.deploy("o/s", version(1))
+
+    async def main():
+        await world.call("o/s")
+        module = weakref.ref(world.registry.active["o/s"].imported.module)
+        assert await world.registry.reap(now=TTL - 1) == []
+        assert await world.registry.reap(now=TTL) == ["o/s"]
+        assert world.registry.active == {}
+        return module
+
+    module = run(main())
+    gc.collect()
+    assert module() is None
+    assert run(world.call("o/s")) == 1 and calls == ["o/s", "o/s"]
+
+
+def test_in_flight_requests_keep_a_space_alive(world):
+    world.deploy("o/s", version(1))
+
+    async def main():
+        active = await world.registry.acquire("o/s")
+        assert await world.registry.reap(now=TTL * 10) == []
+        world.registry.release(active)
+
+    run(main())
+
+
+def test_the_idle_clock_starts_when_a_request_ends(world):
+    world.deploy("o/s", version(1))
+
+    async def main():
+        active = await world.registry.acquire("o/s")  # starts at t=0
+        world.clock.now = 50.0
+        world.registry.release(active)  # ends at t=50
+        assert await world.registry.reap(now=TTL + 10) == []
+        assert await world.registry.reap(now=TTL + 50) == ["o/s"]
+
+    run(main())
+
+
+def test_a_failed_load_is_reported_and_retried(world):
+    world.deploy("o/s", "raise RuntimeError('flaky')\n")
+
+    async def main():
+        for _ in range(2):
+            with pytest.raises(loader.LoadError, match="flaky"):
+                await world.registry.acquire("o/s")
+        assert world.registry._loading == {}
+
+    run(main())
+
+
+LIFESPAN_APP = """
+import contextlib
+from starlette.applications import Starlette
+EVENTS = []
+VERSION = 1
+
+@contextlib.asynccontextmanager
+async def lifespan(app):
+    EVENTS.append("startup")
+    yield
+    EVENTS.append("shutdown")
+
+app = Starlette(lifespan=lifespan)
+"""
+
+
+def test_close_runs_every_shutdown(world):
+    world.deploy("o/a", LIFESPAN_APP)
+    world.deploy("o/b", LIFESPAN_APP)
+
+    async def main():
+        await world.call("o/a")
+        await world.call("o/b")
+        modules = [a.imported.module for a in world.registry.active.values()]
+        assert [m.EVENTS for m in modules] == [["startup"]] * 2
+        await world.registry.close()
+        assert world.registry.active == {}
+        return modules
+
+    assert [m.EVENTS for m in run(main())] == [["startup", "shutdown"]] * 2

@@ -1,0 +1,198 @@
+"""Unit tests of polyserve.store: names, safe staging, atomic publish, slots."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from polyserve.store import KEEP_VERSIONS, Store, StoreError, parse_space
+from tests.conftest import make_tar
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "data", max_spaces=4)
+
+
+def stage(store: Store, content: bytes, filename: str = "space.tar"):
+    return store.stage(io.BytesIO(content), filename, max_unpacked=1 << 20)
+
+
+def publish(store: Store, space: str, files: dict[str, str]) -> tuple[int, int]:
+    staged = stage(store, make_tar(files))
+    with store.locked():
+        return store.publish(space, staged, {"kind": "handle", "import_ms": 1.0})
+
+
+@pytest.mark.parametrize("name", ["lee101/hello", "a/b", "A-1_x/y.z", "o/" + "n" * 64])
+def test_valid_space_names(name):
+    assert parse_space(name) == name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "a",
+        "a/b/c",
+        "../x",
+        "a/..",
+        "/b",
+        "a/",
+        ".a/b",
+        "a/.b",
+        "a b/c",
+        "a/b\n",
+        "a/\x00",
+        "o/" + "n" * 65,
+        "x" * 300,
+    ],
+)
+def test_invalid_space_names_say_the_rule(name):
+    with pytest.raises(StoreError, match="owner/name") as err:
+        parse_space(name)
+    assert err.value.status == 422
+
+
+def test_a_py_upload_keeps_its_name(store):
+    staged = store.stage(io.BytesIO(b"def handle(r): return 'hi'\n"), "hello.py", 1 << 20)
+    assert staged.entry == "hello.py"
+    assert (staged.dir / "hello.py").read_text() == "def handle(r): return 'hi'\n"
+    assert staged.size == 27 and len(staged.sha256) == 64
+
+
+@pytest.mark.parametrize("filename", ["../../x.py", "__init__.py", "a.b.py", "x" * 70 + ".py"])
+def test_a_py_upload_with_an_unusable_name_is_stored_as_main_py(store, filename):
+    assert store.stage(io.BytesIO(b"x = 1\n"), filename, 1 << 20).entry == "main.py"
+
+
+@pytest.mark.parametrize("content,problem", [(b"  \n", "empty"), (b"\xff\xfe x", "UTF-8")])
+def test_an_empty_or_non_utf8_py_is_refused(store, content, problem):
+    with pytest.raises(StoreError, match=problem):
+        store.stage(io.BytesIO(content), "x.py", 1 << 20)
+    assert list(store.staging_dir.iterdir()) == []
+
+
+def test_tar_written_with_dot_prefix_is_accepted(store):
+    staged = stage(store, make_tar({"./main.py": "app = 1\n", "./lib/util.py": "x = 1\n"}))
+    assert staged.entry == "main.py"
+    assert (staged.dir / "lib" / "util.py").is_file()
+
+
+def test_gzip_tar_is_accepted_and_app_py_is_the_fallback_entry(store):
+    staged = stage(store, make_tar({"app.py": "app = 1\n"}, gzip=True), "space.tar.gz")
+    assert staged.entry == "app.py"
+
+
+def test_manifest_names_the_entry(store):
+    files = {"polyserve.toml": 'entry = "server.py"\n', "server.py": "", "main.py": ""}
+    assert stage(store, make_tar(files)).entry == "server.py"
+
+
+@pytest.mark.parametrize(
+    "manifest", ['entry = "sub/x.py"', 'entry = "missing.py"', "entry = [", 'entry = "x.txt"']
+)
+def test_a_bad_manifest_is_refused(store, manifest):
+    with pytest.raises(StoreError, match=r"polyserve\.toml"):
+        stage(store, make_tar({"polyserve.toml": manifest, "x.txt": ""}))
+
+
+def test_a_tar_without_entry_says_how_to_build_one(store):
+    with pytest.raises(StoreError, match="-C yourdir") as err:
+        stage(store, make_tar({"myspace/main.py": ""}))
+    assert err.value.details["found"] == ["myspace/"]
+
+
+def _tar_with(info: tarfile.TarInfo) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.addfile(tarfile.TarInfo("main.py"), io.BytesIO(b""))
+        tar.addfile(info)
+    return buf.getvalue()
+
+
+def _link(name: str, target: str, kind: bytes) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info
+
+
+def _special(kind: bytes) -> tarfile.TarInfo:
+    info = tarfile.TarInfo("dev")
+    info.type = kind
+    return info
+
+
+@pytest.mark.parametrize(
+    "content,problem",
+    [
+        (make_tar({"../evil.py": ""}), "'..'"),
+        (make_tar({"a/../../evil.py": ""}), "'..'"),
+        (make_tar({"/etc/evil.py": ""}), "absolute"),
+        (_tar_with(_link("out", "/etc/passwd", tarfile.SYMTYPE)), "regular files"),
+        (_tar_with(_link("in", "main.py", tarfile.SYMTYPE)), "regular files"),
+        (_tar_with(_link("hard", "/etc/passwd", tarfile.LNKTYPE)), "regular files"),
+        (_tar_with(_special(tarfile.CHRTYPE)), "regular files"),
+        (_tar_with(_special(tarfile.FIFOTYPE)), "regular files"),
+        (b"not a tar at all", "valid tar"),
+        (make_tar({"main.py": "x" * 5000})[:1200], "valid tar"),
+    ],
+)
+def test_unsafe_or_broken_tars_are_refused_and_leave_nothing(store, content, problem):
+    with pytest.raises(StoreError, match=problem) as err:
+        stage(store, content)
+    assert err.value.status == 422
+    assert list(store.staging_dir.iterdir()) == []
+
+
+def test_unpacked_size_is_capped_before_extraction(store):
+    big = make_tar({"main.py": "", "blob": b"\0" * 4096}, gzip=True)
+    with pytest.raises(StoreError) as err:
+        store.stage(io.BytesIO(big), "x.tar.gz", max_unpacked=1024)
+    assert err.value.status == 413
+    assert list(store.staging_dir.iterdir()) == []
+
+
+def test_publish_flips_current_and_keeps_the_slot(store):
+    slot1, v1 = publish(store, "o/s", {"main.py": "A = 1\n"})
+    slot2, v2 = publish(store, "o/s", {"main.py": "A = 2\n"})
+    assert (slot1, v1, slot2, v2) == (0, 1, 0, 2)
+    current = store.current("o/s")
+    assert current.number == 2 and (current.dir / "main.py").read_text() == "A = 2\n"
+    assert os.readlink(store.space_dir("o/s") / "current") == "versions/2"
+    assert store.spaces()["o/s"]["version"] == 2
+    assert list(store.staging_dir.iterdir()) == []
+
+
+def test_old_versions_are_pruned(store):
+    for i in range(KEEP_VERSIONS + 2):
+        publish(store, "o/s", {"main.py": f"A = {i}\n"})
+    kept = sorted(p.name for p in (store.space_dir("o/s") / "versions").iterdir())
+    newest = KEEP_VERSIONS + 2
+    expected = [str(n) for n in range(newest - KEEP_VERSIONS + 1, newest + 1)]
+    assert kept == sorted(expected + [f"{n}.json" for n in expected])
+
+
+def test_delete_unpublishes_but_the_slot_stays(store):
+    publish(store, "o/s", {"main.py": ""})
+    publish(store, "o/t", {"main.py": ""})
+    with store.locked():
+        assert store.delete("o/s") == 0
+        assert store.delete("o/s") is None
+    assert store.current("o/s") is None
+    assert list(store.spaces()) == ["o/t"]
+    slot, version = publish(store, "o/s", {"main.py": ""})
+    assert (slot, version) == (0, 2), "numbers are never reused, so one names one upload"
+
+
+def test_a_full_space_table_answers_507(store):
+    for i in range(4):
+        publish(store, f"o/s{i}", {"main.py": ""})
+    with pytest.raises(StoreError) as err:
+        publish(store, "o/one-too-many", {"main.py": ""})
+    assert err.value.status == 507 and "POLYSERVE_MAX_SPACES" in err.value.error
+    assert store.current("o/one-too-many") is None

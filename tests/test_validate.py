@@ -1,0 +1,80 @@
+"""Unit tests of polyserve.validate: a throwaway subprocess imports a version before publish."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from polyserve.store import StoreError
+from polyserve.validate import validate
+
+
+def check(
+    tmp_path: Path,
+    source: str,
+    timeout: float = 20,
+    memory_mb: int = 4096,
+    files: dict[str, str] | None = None,
+) -> dict[str, object]:
+    (tmp_path / "main.py").write_text(source)
+    for name, text in (files or {}).items():
+        (tmp_path / name).write_text(text)
+    return asyncio.run(validate(tmp_path, "main.py", timeout, memory_mb))
+
+
+def test_a_good_module_reports_kind_and_import_time_and_leaves_bytecode(tmp_path):
+    result = check(
+        tmp_path,
+        "print('noise on stdout')\ndef handle(r): return 1\n",
+        files={"helpers.py": "X = 1\n"},
+    )
+    assert result["kind"] == "handle"
+    assert isinstance(result["import_ms"], float) and result["import_ms"] >= 0
+    cached = sorted(p.name.split(".")[0] for p in (tmp_path / "__pycache__").iterdir())
+    assert cached == ["helpers", "main"]
+
+
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        ("def handle(r):\n  return (\n", "main.py, line 2: SyntaxError"),
+        ("x = 1\n\n1 / 0\n", "main.py, line 3: ZeroDivisionError: division by zero"),
+        ("VALUE = 1\n", "neither `app`"),
+    ],
+)
+def test_a_bad_module_says_what_to_fix(tmp_path, source, message):
+    with pytest.raises(StoreError, match=message) as err:
+        check(tmp_path, source)
+    assert err.value.status == 422
+
+
+def test_a_hanging_import_is_killed_at_the_timeout(tmp_path):
+    with pytest.raises(StoreError, match="within 1 s"):
+        check(tmp_path, "import time\ntime.sleep(60)\n", timeout=1)
+
+
+@pytest.mark.parametrize(
+    "source,how",
+    [
+        ("import os\nos._exit(7)\n", "exit code 7"),
+        ("import ctypes\nctypes.string_at(0)\n", "signal SIGSEGV"),
+    ],
+)
+def test_an_import_that_ends_the_process_is_refused(tmp_path, source, how):
+    with pytest.raises(StoreError, match=how):
+        check(tmp_path, source)
+
+
+def test_an_unbounded_allocation_hits_the_address_space_limit(tmp_path):
+    with pytest.raises(StoreError, match="address-space limit"):
+        check(tmp_path, "blob = bytearray(2 << 30)\n", memory_mb=512)
+
+
+def test_stderr_of_the_import_is_returned(tmp_path):
+    with pytest.raises(StoreError) as err:
+        check(
+            tmp_path, "import sys\nsys.stderr.write('model.onnx not found')\nraise SystemExit(1)\n"
+        )
+    assert "model.onnx not found" in err.value.details["stderr"]
