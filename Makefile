@@ -26,12 +26,16 @@ test: install
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
+# Benchmarks never run in `make test`; tests/test_bench.py only checks they run.
+bench: install
+	$(BIN)/python bench/meter_bench.py
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 settings-table: install
-	$(BIN)/python -m polyserve.settings
+	$(BIN)/python -m polyserve.settings --readme
 
 clean:
 	rm -rf $(VENV) polyserve-data .pytest_cache .ruff_cache *.egg-info

@@ -18,9 +18,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
-from polyserve import hooks, loader
+from polyserve import hooks, loader, prometheus
+from polyserve import meter as meter_mod
 from polyserve import settings as settings_mod
 from polyserve.control import CONTROL_SIGNAL, Control
+from polyserve.meter import CELLS, Meter
 from polyserve.shm import Table
 from polyserve.spaces import NotDeployed, Registry
 from polyserve.store import Staged, Store, StoreError, parse_space
@@ -45,15 +47,20 @@ class Host:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         s = self.settings
         self.store = Store(s.data_dir, s.max_spaces)
-        table, worker_slot = hooks.inherited() or (Table.anonymous(1, s.max_spaces), None)
-        self.control = Control(table, worker_slot)
+        # Without the gunicorn master (in-process tests), a private one-row table.
+        self.table, row = hooks.inherited() or (Table.anonymous(1, s.max_spaces, CELLS), 0)
+        self.control = Control(self.table, row)
+        self.meter = Meter(self.table, row)
         self.registry = Registry(
-            self.store, self.control, s.idle_ttl, s.import_timeout, clock=self.clock
+            self.store, self.control, self.meter, s.idle_ttl, s.import_timeout, clock=self.clock
         )
         # Off the main thread (an in-process test client) there is no signal handler:
         # requests still read the generation word, which alone keeps the contract.
         with contextlib.suppress(RuntimeError, ValueError):
             asyncio.get_running_loop().add_signal_handler(CONTROL_SIGNAL, self.registry.refresh)
+        # anyio sets up its worker threads lazily (about 19 ms here): pay that at boot,
+        # not in the first cold start, whose time and memory are billed to a space.
+        await anyio.to_thread.run_sync(lambda: None)
         self.control.publish_pid()
         reaper = asyncio.create_task(self.registry.reaper())
         try:
@@ -68,23 +75,22 @@ class Host:
         """Mounted at /s/{owner}/{name}: Mount has already extended root_path."""
         params = scope["path_params"]
         space = f"{params['owner']}/{params['name']}"
+        started = self.meter.begin()  # busy time includes a cold start's import
         try:
             active = await self.registry.acquire(space)
         except NotDeployed:
-            return await _answer(
-                scope,
-                receive,
-                send,
-                404,
-                {"error": f"space {space} is not deployed", "space": space},
-            )
+            self.meter.end(None, started, error=False)
+            body = {"error": f"space {space} is not deployed", "space": space}
+            return await _answer(scope, receive, send, 404, body)
         except loader.LoadError as exc:
+            self.meter.end(self.registry.slot_of(space), started, error=True)
             return await _answer(scope, receive, send, 500, {**exc.details, "space": space})
-        started = False
+        status = 0
 
         async def tracking_send(message: dict[str, Any]) -> None:
-            nonlocal started
-            started = True
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
             await send(message)
 
         imported = active.imported
@@ -98,17 +104,17 @@ class Host:
             await imported.app(scope, receive, tracking_send)
         except Exception:
             log.exception("space %s v%d raised", space, imported.version)
-            if started:
+            if status:
+                status = 500
                 raise  # mid-response: the server closes the connection
-            await _answer(
-                scope,
-                receive,
-                send,
-                500,
-                {"error": f"space {space} raised an exception; see the host log", "space": space},
-            )
+            status = 500
+            body = {"error": f"space {space} raised an exception; see the host log"}
+            await _answer(scope, receive, send, 500, {**body, "space": space})
         finally:
             self.registry.release(active)
+            # An HTTP app that returns without a response gets a 500 from the server.
+            failed = status >= 500 or (status == 0 and scope["type"] == "http")
+            self.meter.end(active.slot, started, error=failed)
 
     # -- the control plane ---------------------------------------------------------------
 
@@ -186,9 +192,13 @@ class Host:
         return JSONResponse({"spaces": await anyio.to_thread.run_sync(self.store.spaces)})
 
     async def usage(self, request: Request) -> Response:
-        # The shared-memory usage table is issue 3; until then: no counts rather than
-        # invented ones.
-        return JSONResponse({"spaces": {}})
+        return JSONResponse(self._usage())
+
+    def _usage(self) -> dict[str, Any]:
+        return meter_mod.usage(self.table, self.store.slot_names(), meter_mod.now_us())
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(prometheus.exposition(self._usage()), media_type=prometheus.CONTENT_TYPE)
 
     async def health(self, request: Request) -> Response:
         """This worker: its pid and the version of each space it holds."""
@@ -244,6 +254,7 @@ def create_app(
         Route("/_polyserve/spaces/{owner}/{name}", host.delete, methods=["DELETE"]),
         Route("/_polyserve/usage", host.usage, methods=["GET"]),
         Route("/_polyserve/health", host.health, methods=["GET"]),
+        Route("/metrics", host.metrics, methods=["GET"]),
         Mount("/s/{owner}/{name}", app=host.dispatch),
     ]
     app = Starlette(

@@ -75,6 +75,12 @@ SETTINGS: tuple[Setting, ...] = (
         "Space slots in the shared table; a deploy of a new space past it answers 507.",
     ),
     Setting(
+        "checkpoint_interval",
+        _positive_float,
+        lambda: 5.0,
+        "Seconds between the master's checkpoints of the usage totals to the data dir.",
+    ),
+    Setting(
         "max_upload_mb",
         _positive_int,
         lambda: 64,
@@ -92,6 +98,7 @@ class Settings:
     import_timeout: float
     import_memory_mb: int
     max_spaces: int
+    checkpoint_interval: float
     max_upload_mb: int
 
 
@@ -120,5 +127,21 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
+def write_readme(path: str = "README.md") -> None:
+    """Replace the table between the README's settings markers with a fresh one."""
+    begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
+    with open(path) as f:
+        text = f.read()
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    with open(path, "w") as f:
+        f.write(f"{head}{begin}{markdown_table()}\n{end}{tail}")
+
+
 if __name__ == "__main__":
-    print(markdown_table())
+    import sys
+
+    if sys.argv[1:] == ["--readme"]:
+        write_readme()
+    else:
+        print(markdown_table())

@@ -1,16 +1,20 @@
 """The host's one shared-memory segment: int64 words the master maps before fork.
 
-Layout (all little-endian int64, so every cell is an aligned 8-byte store):
+Layout (native int64 words, so every cell is an aligned 8-byte store)::
 
-    word 0              MAGIC
-    word 1              LAYOUT_VERSION
-    word 2              worker_slots  (W)
-    word 3              space_slots   (S)
-    words 4 .. 4+W      worker pid per worker slot (0 = free or still booting)
-    next S words        generation word per space slot (bumped by each deploy/delete)
+    header       8 words   MAGIC, LAYOUT_VERSION, W, S, C, started (wall µs),
+                           alive (monotonic µs, the master's last checkpoint), 0
+    workers      W x 2     per worker row: pid (0 = free or booting), requests in flight
+    generations  S         per space slot: bumped by each deploy and delete
+    cells        (W+1) x S x C
+                           usage counters per (row, space); rows 0..W-1 belong to one
+                           worker each, row W is the master's "base" row holding what
+                           was restored at start (see polyserve.meter for the C cells)
 
-The master creates it in gunicorn's ``on_starting``; forked workers inherit the
-mapping, so nothing is attached by name on the request path.
+W worker rows, S space slots, C cells. The master creates the segment in gunicorn's
+`on_starting`; forked workers inherit the mapping, so nothing is attached by name on
+the request path. Every word has one writer at a time: a worker writes only its own
+row, the master writes the header, the base row, and the row of a worker that died.
 """
 
 from __future__ import annotations
@@ -21,9 +25,13 @@ import mmap
 import os
 from multiprocessing import resource_tracker, shared_memory
 
+import numpy as np
+
 MAGIC = 0x70_6F_6C_79_73_72_76  # "polysrv"
-LAYOUT_VERSION = 1
-HEADER_WORDS = 4
+LAYOUT_VERSION = 2
+HEADER_WORDS = 8
+H_STARTED, H_ALIVE = 5, 6
+WORKER_WORDS = 2  # pid, in flight
 
 
 def segment_name(data_dir: str) -> str:
@@ -54,6 +62,7 @@ class Table:
         buf: memoryview | mmap.mmap,
         worker_slots: int,
         space_slots: int,
+        cells: int,
         shm: shared_memory.SharedMemory | None = None,
     ) -> None:
         self._shm = shm
@@ -61,45 +70,81 @@ class Table:
         self.words = memoryview(buf).cast("q")
         self.worker_slots = worker_slots
         self.space_slots = space_slots
-        base = HEADER_WORDS
-        self.pids = self.words[base : base + worker_slots]
-        base += worker_slots
-        self.generations = self.words[base : base + space_slots]
+        self.cells = cells
+        w, s = worker_slots, space_slots
+        self.pids = self.words[HEADER_WORDS : HEADER_WORDS + WORKER_WORDS * w : WORKER_WORDS]
+        self.workers_base = HEADER_WORDS
+        gen = HEADER_WORDS + WORKER_WORDS * w
+        self.generations = self.words[gen : gen + s]
+        self.cells_base = gen + s
+        self.base_row = w  # the master's row of restored totals
 
     @staticmethod
-    def size_for(worker_slots: int, space_slots: int) -> int:
-        return 8 * (HEADER_WORDS + worker_slots + space_slots)
+    def size_for(worker_slots: int, space_slots: int, cells: int) -> int:
+        w, s = worker_slots, space_slots
+        return 8 * (HEADER_WORDS + WORKER_WORDS * w + s + (w + 1) * s * cells)
+
+    def inflight_index(self, row: int) -> int:
+        return self.workers_base + WORKER_WORDS * row + 1
+
+    def cell_index(self, row: int, slot: int, cell: int) -> int:
+        return self.cells_base + (row * self.space_slots + slot) * self.cells + cell
+
+    def cell_array(self) -> np.ndarray:
+        """All usage cells as a (W+1, S, C) view, for readers that sum."""
+        n = (self.worker_slots + 1) * self.space_slots * self.cells
+        flat = np.frombuffer(self._buf, dtype=np.int64, count=n, offset=8 * self.cells_base)
+        return flat.reshape(self.worker_slots + 1, self.space_slots, self.cells)
+
+    def inflight_array(self) -> np.ndarray:
+        n = WORKER_WORDS * self.worker_slots
+        flat = np.frombuffer(self._buf, dtype=np.int64, count=n, offset=8 * self.workers_base)
+        return flat[1::WORKER_WORDS]
+
+    def header(self, index: int) -> int:
+        return self.words[index]
+
+    def set_header(self, index: int, value: int) -> None:
+        self.words[index] = value
 
     def _init_header(self) -> None:
-        self.words[0] = MAGIC
-        self.words[1] = LAYOUT_VERSION
-        self.words[2] = self.worker_slots
-        self.words[3] = self.space_slots
+        for i, v in enumerate(
+            (MAGIC, LAYOUT_VERSION, self.worker_slots, self.space_slots, self.cells)
+        ):
+            self.words[i] = v
 
     @classmethod
-    def create(cls, name: str, worker_slots: int, space_slots: int) -> Table:
-        """Create the named segment, replacing a leftover of a master that died."""
-        size = cls.size_for(worker_slots, space_slots)
+    def create(cls, name: str, worker_slots: int, space_slots: int, cells: int) -> Table:
+        """Create the named segment; a leftover must have been dealt with (see attach)."""
         with _untracked():
-            try:
-                shm = shared_memory.SharedMemory(name=name, create=True, size=size)
-            except FileExistsError:
-                # A master killed with -9 leaves its segment behind; generation words
-                # need no recovery (the store is the truth), so start from zero.
-                stale = shared_memory.SharedMemory(name=name)
-                stale.close()
-                stale.unlink()
-                shm = shared_memory.SharedMemory(name=name, create=True, size=size)
-        table = cls(shm.buf, worker_slots, space_slots, shm=shm)
+            shm = shared_memory.SharedMemory(
+                name=name, create=True, size=cls.size_for(worker_slots, space_slots, cells)
+            )
+        table = cls(shm.buf, worker_slots, space_slots, cells, shm=shm)
         table._init_header()
         return table
 
     @classmethod
-    def anonymous(cls, worker_slots: int, space_slots: int) -> Table:
+    def attach(cls, name: str) -> Table | None:
+        """The segment of a master that died (kill -9), if one is left with our layout."""
+        with _untracked():
+            try:
+                shm = shared_memory.SharedMemory(name=name)
+            except FileNotFoundError:
+                return None
+        header = memoryview(shm.buf).cast("q")[:HEADER_WORDS].tolist()
+        magic, layout, w, s, c = header[:5]
+        if (magic, layout) != (MAGIC, LAYOUT_VERSION) or shm.size < cls.size_for(w, s, c):
+            shm.close()
+            shm.unlink()  # not ours to read: an older layout. The checkpoint covers it.
+            return None
+        return cls(shm.buf, w, s, c, shm=shm)
+
+    @classmethod
+    def anonymous(cls, worker_slots: int, space_slots: int, cells: int) -> Table:
         """A private table for a host app running without gunicorn (in-process tests)."""
-        table = cls(
-            mmap.mmap(-1, cls.size_for(worker_slots, space_slots)), worker_slots, space_slots
-        )
+        size = cls.size_for(worker_slots, space_slots, cells)
+        table = cls(mmap.mmap(-1, size), worker_slots, space_slots, cells)
         table._init_header()
         return table
 

@@ -12,6 +12,7 @@ import anyio.to_thread
 
 from polyserve import loader
 from polyserve.control import Control
+from polyserve.meter import Meter, rss_bytes
 from polyserve.store import Store, StoreError, Version, parse_space
 
 log = logging.getLogger("polyserve")
@@ -27,6 +28,7 @@ class Active:
 
     imported: loader.Imported
     version: Version
+    slot: int
     generation: int  # the space's generation word when this was found current
     loaded_at: float
     last_used: float
@@ -41,18 +43,21 @@ class Registry:
         self,
         store: Store,
         control: Control,
+        meter: Meter,
         idle_ttl: float,
         start_timeout: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.control = control
+        self.meter = meter
         self.idle_ttl = idle_ttl
         self.start_timeout = start_timeout
         self.clock = clock
         self.active: dict[str, Active] = {}
         self._slots: dict[str, int] = {}  # slots never change, so cache hits are forever
         self._loading: dict[str, asyncio.Task[Active]] = {}
+        self._held: dict[str, int] = {}  # versions held per space, draining ones included
 
     # -- the request path -----------------------------------------------------------
 
@@ -77,6 +82,9 @@ class Registry:
         active.last_used = self.clock()  # the idle clock starts when a request ends
         if active.retired and active.inflight == 0:
             self._drop(active)
+
+    def slot_of(self, space: str) -> int | None:
+        return self._slots.get(space)
 
     def _find_slot(self, space: str) -> int:
         try:
@@ -125,13 +133,16 @@ class Registry:
         if current is not None and current.version == version:
             current.generation = generation  # a bump that did not change the version
             return current
-        started = self.clock()
+        started, started_us, rss_before = self.clock(), self.meter.clock(), rss_bytes()
         imported = await anyio.to_thread.run_sync(
             loader.import_version, space, version.number, version.dir, version.entry
         )
         await loader.start(imported, self.start_timeout)
+        # Memory the load added: approximate when other work runs at the same time.
+        self.meter.loaded(slot, started_us, rss_bytes() - rss_before)
+        self._held[space] = self._held.get(space, 0) + 1
         now = self.clock()
-        active = Active(imported, version, generation, loaded_at=started, last_used=now)
+        active = Active(imported, version, slot, generation, loaded_at=started, last_used=now)
         # The switch: from here on new requests get the new version.
         self.active[space] = active
         if current is not None:
@@ -153,8 +164,14 @@ class Registry:
             self._drop(active)
 
     def _drop(self, active: Active) -> None:
-        if active._dropping is None:
-            active._dropping = asyncio.create_task(loader.stop(active.imported, self.start_timeout))
+        if active._dropping is not None:
+            return
+        space = active.imported.space
+        self._held[space] -= 1
+        if self._held[space] == 0:  # a swap keeps the space warm; this ends the stretch
+            del self._held[space]
+            self.meter.released(active.slot)
+        active._dropping = asyncio.create_task(loader.stop(active.imported, self.start_timeout))
 
     # -- control signal and idle release ------------------------------------------------
 
@@ -168,9 +185,9 @@ class Registry:
                 # A failure is logged; the next request retries and reports it.
                 self._start_load(space, slot, generation)
 
-    async def reap(self, now: float | None = None) -> list[str]:
+    async def reap(self) -> list[str]:
         """Release every space idle for idle_ttl; returns their names once dropped."""
-        now = self.clock() if now is None else now
+        now = self.clock()
         idle = [
             a
             for a in self.active.values()

@@ -3,9 +3,8 @@
 Layout under POLYSERVE_DATA_DIR::
 
     store.lock                      flock held while publishing, deleting or allocating
-    slots.next                      next free space slot (a decimal number)
+    slots.log                       append-only "<slot>\t<owner/name>" lines: slot n is line n
     staging/<random>/               one fresh directory per deploy in progress
-    spaces/<owner>/<name>/slot      the space's stable slot in the shared table
     spaces/<owner>/<name>/last      the last version number handed out
     spaces/<owner>/<name>/current   symlink -> versions/<n>, replaced atomically
     spaces/<owner>/<name>/versions/<n>/       immutable files of version n
@@ -25,6 +24,7 @@ import re
 import shutil
 import tarfile
 import tempfile
+import threading
 import time
 import tomllib
 import zlib
@@ -95,6 +95,12 @@ class Store:
         self.staging_dir = self.root / "staging"
         for d in (self.spaces_dir, self.staging_dir):
             d.mkdir(parents=True, exist_ok=True)
+        self._slots_log = self.root / "slots.log"
+        self._slots_log.touch()
+        self._slots: dict[str, int] = {}
+        self._names: list[str] = []
+        self._slots_read = 0  # bytes of slots.log already parsed
+        self._slots_lock = threading.Lock()  # the loop and publish threads both refresh
 
     def space_dir(self, space: str) -> Path:
         return self.spaces_dir / space
@@ -171,17 +177,35 @@ class Store:
         return self.slot(space)
 
     def _allocate_slot(self, space: str) -> int:
-        slot = _read_int(self.root / "slots.next", 0)
+        slot = len(self._names)  # publish() refreshed the map under the lock
         if slot >= self.max_spaces:
             raise StoreError(
                 507,
                 f"space table is full ({self.max_spaces} slots): raise POLYSERVE_MAX_SPACES",
                 space=space,
             )
-        self.space_dir(space).mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.space_dir(space) / "slot", str(slot).encode())
-        _write_atomic(self.root / "slots.next", str(slot + 1).encode())
+        fd = os.open(self._slots_log, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, f"{slot}\t{space}\n".encode())
+            os.fsync(fd)  # billing rows are keyed by slot: the map must survive a crash
+        finally:
+            os.close(fd)
+        self._refresh_slots()
         return slot
+
+    def _refresh_slots(self) -> None:
+        """Parse what was appended to slots.log since the last read (complete lines only)."""
+        with self._slots_lock, open(self._slots_log, "rb") as f:
+            f.seek(self._slots_read)
+            tail = f.read()
+            complete = tail[: tail.rfind(b"\n") + 1]
+            for line in complete.decode().splitlines():
+                number, space = line.split("\t")
+                if int(number) != len(self._names):
+                    raise RuntimeError(f"slots.log is corrupt at slot {number}")
+                self._slots[space] = len(self._names)
+                self._names.append(space)
+            self._slots_read += len(complete)
 
     def _prune(self, versions: Path, newest: int) -> None:
         for path in versions.iterdir():
@@ -195,7 +219,15 @@ class Store:
     # -- reading -------------------------------------------------------------
 
     def slot(self, space: str) -> int | None:
-        return _read_int(self.space_dir(space) / "slot", None)
+        """The space's stable slot, or None if it was never deployed."""
+        if space not in self._slots:
+            self._refresh_slots()
+        return self._slots.get(space)
+
+    def slot_names(self) -> list[str]:
+        """Every space that ever had a slot, indexed by slot."""
+        self._refresh_slots()
+        return self._names
 
     def current(self, space: str) -> Version | None:
         """The published version `current` points at, or None if not deployed."""

@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
+from polyserve.shm import segment_name
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -137,6 +139,9 @@ def host_factory(tmp_path: Path) -> Iterator[callable]:
     yield start
     for host in started:
         host.stop()
+        # A test that failed between killing a master and restarting it leaves the
+        # segment behind; the passing path never does (tests assert that).
+        Path("/dev/shm", segment_name(str(host.data_dir))).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

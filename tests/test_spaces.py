@@ -16,6 +16,7 @@ import pytest
 
 from polyserve import loader
 from polyserve.control import Control
+from polyserve.meter import CELLS, Cell, Meter
 from polyserve.shm import Table
 from polyserve.spaces import NotDeployed, Registry
 from polyserve.store import Store
@@ -37,9 +38,18 @@ class World:
 
     def __init__(self, tmp_path: Path) -> None:
         self.store = Store(tmp_path / "data", max_spaces=8)
-        self.control = Control(Table.anonymous(1, 8), worker_slot=0)
+        self.table = Table.anonymous(1, 8, CELLS)
+        self.control = Control(self.table, worker_slot=0)
         self.clock = Clock()
-        self.registry = Registry(self.store, self.control, TTL, 5.0, clock=self.clock)
+        self.meter = Meter(self.table, 0, clock=lambda: int(self.clock.now * 1_000_000))
+        self.registry = Registry(self.store, self.control, self.meter, TTL, 5.0, clock=self.clock)
+
+    async def reap_at(self, now: float) -> list[str]:
+        self.clock.now = now
+        return await self.registry.reap()
+
+    def cell(self, space: str, cell: Cell) -> int:
+        return int(self.table.cell_array()[0, self.store.slot(space), cell])
 
     def deploy(self, space: str, source: str) -> int:
         staged = self.store.stage(io.BytesIO(make_tar({"main.py": source})), "s.tar", 1 << 20)
@@ -200,8 +210,8 @@ def test_idle_spaces_are_released_after_the_ttl(world, monkeypatch):
     async def main():
         await world.call("o/s")
         module = weakref.ref(world.registry.active["o/s"].imported.module)
-        assert await world.registry.reap(now=TTL - 1) == []
-        assert await world.registry.reap(now=TTL) == ["o/s"]
+        assert await world.reap_at(TTL - 1) == []
+        assert await world.reap_at(TTL) == ["o/s"]
         assert world.registry.active == {}
         return module
 
@@ -216,7 +226,7 @@ def test_in_flight_requests_keep_a_space_alive(world):
 
     async def main():
         active = await world.registry.acquire("o/s")
-        assert await world.registry.reap(now=TTL * 10) == []
+        assert await world.reap_at(TTL * 10) == []
         world.registry.release(active)
 
     run(main())
@@ -229,8 +239,8 @@ def test_the_idle_clock_starts_when_a_request_ends(world):
         active = await world.registry.acquire("o/s")  # starts at t=0
         world.clock.now = 50.0
         world.registry.release(active)  # ends at t=50
-        assert await world.registry.reap(now=TTL + 10) == []
-        assert await world.registry.reap(now=TTL + 50) == ["o/s"]
+        assert await world.reap_at(TTL + 10) == []
+        assert await world.reap_at(TTL + 50) == ["o/s"]
 
     run(main())
 
@@ -277,3 +287,38 @@ def test_close_runs_every_shutdown(world):
         return modules
 
     assert [m.EVENTS for m in run(main())] == [["startup", "shutdown"]] * 2
+
+
+def test_residency_runs_from_the_load_to_the_release_and_a_swap_does_not_break_it(world):
+    world.deploy("o/s", version(1))
+
+    async def main():
+        world.clock.now = 10.0
+        await world.call("o/s")  # loaded at t=10
+        assert world.cell("o/s", Cell.LOADED_SINCE_US) == 10_000_000
+        world.clock.now = 20.0
+        world.deploy("o/s", version(2))
+        assert await world.call("o/s") == 2  # swapped at t=20: still one stretch
+        await asyncio.sleep(0)  # let v1's drop run
+        assert world.cell("o/s", Cell.LOADED_SINCE_US) == 10_000_000
+        assert world.cell("o/s", Cell.RESIDENT_US) == 0
+        assert await world.reap_at(20.0 + TTL) == ["o/s"]  # released at t=120
+
+    run(main())
+    assert world.cell("o/s", Cell.LOADED_SINCE_US) == 0
+    assert world.cell("o/s", Cell.RESIDENT_US) == (20 + TTL - 10) * 1_000_000
+    assert world.cell("o/s", Cell.LOADS) == 2
+
+
+def test_closing_the_worker_folds_every_residency(world):
+    world.deploy("o/a", version(1))
+
+    async def main():
+        world.clock.now = 1.0
+        await world.call("o/a")
+        world.clock.now = 7.0
+        await world.registry.close()
+
+    run(main())
+    assert world.cell("o/a", Cell.RESIDENT_US) == 6_000_000
+    assert world.cell("o/a", Cell.LOADED_SINCE_US) == 0

@@ -1,0 +1,222 @@
+"""The usage table: per (worker, space) counters in shared memory, one writer per row, summed.
+
+Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserve.shm):
+
+    REQUESTS         requests answered
+    ERRORS           of those, answered 5xx
+    BUSY_US          µs from dispatch to the space until its response completed
+    RESIDENT_US      µs the space was loaded, folded in when a worker stops holding it
+    LOADED_SINCE_US  monotonic µs when the current stretch began; 0 when not loaded
+    LOADS            imports (first request, after idle release, after a deploy)
+    IMPORT_US        µs spent importing and starting, all loads together
+    LAST_IMPORT_US   µs of the latest load
+    RSS_BYTES        resident memory the latest load added to its worker
+
+A worker writes only its own row, and only from its event-loop thread (sync handlers
+run in the threadpool, but their requests are metered by the dispatcher on the loop),
+so no lock is taken on the request path. Stores go through a memoryview cast to int64:
+one aligned 8-byte store each, which a reader never sees torn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from enum import IntEnum
+from pathlib import Path
+
+import numpy as np
+
+from polyserve.shm import H_ALIVE, H_STARTED, Table
+
+
+class Cell(IntEnum):
+    REQUESTS = 0
+    ERRORS = 1
+    BUSY_US = 2
+    RESIDENT_US = 3
+    LOADED_SINCE_US = 4
+    LOADS = 5
+    IMPORT_US = 6
+    LAST_IMPORT_US = 7
+    RSS_BYTES = 8
+
+
+CELLS = len(Cell)
+# Plain ints for the request path: an IntEnum member lookup costs more than the store.
+_REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
+# Counters that only grow: what a checkpoint saves and a restart restores.
+TOTALS = (Cell.REQUESTS, Cell.ERRORS, Cell.BUSY_US, Cell.RESIDENT_US, Cell.LOADS, Cell.IMPORT_US)
+
+
+def now_us() -> int:
+    """Monotonic µs: CLOCK_MONOTONIC is one clock for every process of the machine."""
+    return time.monotonic_ns() // 1000
+
+
+class Meter:
+    """One worker's writer: the request path and load/release record into its own row."""
+
+    def __init__(self, table: Table, row: int, clock: Callable[[], int] = now_us) -> None:
+        self.words = table.words
+        self.clock = clock
+        self._row = table.cell_index(row, 0, 0)
+        self._inflight = table.inflight_index(row)
+
+    def begin(self) -> int:
+        """A request is dispatched to a space; returns its start time."""
+        self.words[self._inflight] += 1
+        return self.clock()
+
+    def end(self, slot: int | None, started: int, error: bool) -> None:
+        """The response is complete; slot is None when no space answered (404)."""
+        words = self.words
+        words[self._inflight] -= 1
+        if slot is None:
+            return
+        base = self._row + slot * CELLS
+        words[base + _REQUESTS] += 1
+        words[base + _BUSY_US] += self.clock() - started
+        if error:
+            words[base + _ERRORS] += 1
+
+    def loaded(self, slot: int, started: int, rss_bytes: int) -> None:
+        """A version finished loading; residency runs from `started`, the load's start."""
+        words, base = self.words, self._row + slot * CELLS
+        took = self.clock() - started
+        words[base + Cell.LOADS] += 1
+        words[base + Cell.IMPORT_US] += took
+        words[base + Cell.LAST_IMPORT_US] = took
+        words[base + Cell.RSS_BYTES] = max(rss_bytes, 0)
+        if words[base + Cell.LOADED_SINCE_US] == 0:  # a swap does not restart the stretch
+            words[base + Cell.LOADED_SINCE_US] = max(started, 1)  # 0 means "not loaded"
+
+    def released(self, slot: int) -> None:
+        """This worker holds no version of the space any more: fold its residency."""
+        words, base = self.words, self._row + slot * CELLS
+        since = words[base + Cell.LOADED_SINCE_US]
+        if since:
+            words[base + Cell.RESIDENT_US] += self.clock() - since
+            words[base + Cell.LOADED_SINCE_US] = 0
+
+
+def rss_bytes() -> int:
+    """This process's resident set size, from /proc (about 10 µs)."""
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# -- the master's side ---------------------------------------------------------------
+
+
+def fold_row(table: Table, row: int, now: int) -> None:
+    """Close a dead worker's open stretches and in-flight count. Called by the master
+    once the worker is reaped, so the row has no other writer."""
+    cells = table.cell_array()[row]
+    since = cells[:, Cell.LOADED_SINCE_US]
+    open_ = since > 0
+    cells[open_, Cell.RESIDENT_US] += now - since[open_]
+    since[open_] = 0
+    table.words[table.inflight_index(row)] = 0
+
+
+def totals(table: Table, now: int) -> np.ndarray:
+    """Per-slot totals (S, C) over every row, open stretches counted up to `now`."""
+    cells = table.cell_array()
+    summed = cells.sum(axis=0)
+    since = cells[:, :, Cell.LOADED_SINCE_US]
+    # A stretch that began after `now` (possible when recovering up to a dead master's
+    # last checkpoint) counts nothing rather than something negative.
+    summed[:, Cell.RESIDENT_US] += np.where(since > 0, np.maximum(now - since, 0), 0).sum(axis=0)
+    return summed
+
+
+def usage(table: Table, names: list[str], now: int) -> dict[str, object]:
+    """The /_polyserve/usage answer: the seed's four fields per space, and more."""
+    cells = table.cell_array()
+    n = min(len(names), table.space_slots)
+    summed = totals(table, now)
+    t = summed[:n].tolist()
+    loaded_in = (cells[:, :n, Cell.LOADED_SINCE_US] > 0).sum(axis=0).tolist()
+    # "Latest" cells: the largest value over the workers, which load independently.
+    last_import = cells[:, :n, Cell.LAST_IMPORT_US].max(axis=0).tolist()
+    rss = cells[:, :n, Cell.RSS_BYTES].max(axis=0).tolist()
+    spaces = {}
+    for slot, name in enumerate(names[:n]):
+        row = t[slot]
+        spaces[name] = {
+            "requests": row[Cell.REQUESTS],
+            "busy_ms": row[Cell.BUSY_US] // 1000,
+            "warm_s": row[Cell.RESIDENT_US] // 1_000_000,
+            "loaded": loaded_in[slot] > 0,
+            "errors": row[Cell.ERRORS],
+            "cold_starts": row[Cell.LOADS],
+            "workers_loaded": loaded_in[slot],
+            "last_import_ms": round(last_import[slot] / 1000, 3),
+            "rss_kib": rss[slot] // 1024,
+        }
+    pids = table.pids.tolist()
+    started = table.header(H_STARTED)
+    return {
+        "spaces": spaces,
+        "host": {
+            "workers": sum(1 for p in pids if p),
+            "uptime_s": round(time.time() - started / 1e6, 3) if started else 0,
+            "busy_ms": int(summed[:, Cell.BUSY_US].sum()) // 1000,
+            "in_flight": int(table.inflight_array().sum()),
+        },
+    }
+
+
+# -- checkpoint and restore ------------------------------------------------------------
+
+
+def checkpoint(table: Table, names: list[str], path: Path, now: int) -> None:
+    """Write every space's totals (open stretches counted to now) atomically to path."""
+    t = totals(table, now)
+    data = {
+        "format": 1,
+        "saved_at": time.time(),
+        "spaces": {
+            name: {c.name.lower(): int(t[slot, c]) for c in TOTALS}
+            for slot, name in enumerate(names[: table.space_slots])
+        },
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    table.set_header(H_ALIVE, now)
+
+
+def checkpoint_totals(path: Path, names: list[str]) -> np.ndarray | None:
+    """A checkpoint's totals as a (slots, C) array, or None if there is none yet."""
+    try:
+        saved = json.loads(path.read_text())["spaces"]
+    except FileNotFoundError:
+        return None
+    t = np.zeros((len(names), CELLS), dtype=np.int64)
+    for slot, name in enumerate(names):
+        for key, value in saved.get(name, {}).items():
+            t[slot, Cell[key.upper()]] = value
+    return t
+
+
+def leftover_totals(leftover: Table) -> np.ndarray:
+    """What a dead master's segment holds: every count its workers wrote, and their open
+    stretches up to the master's last checkpoint (never past it: the downtime is not
+    billed)."""
+    alive = leftover.header(H_ALIVE)
+    return totals(leftover, alive) if alive else leftover.cell_array().sum(axis=0)
+
+
+def set_base(table: Table, t: np.ndarray) -> None:
+    """Start the base row from an earlier run's totals (the master, before any fork)."""
+    slots = min(table.space_slots, len(t))
+    base = table.cell_array()[table.base_row]
+    for c in TOTALS:
+        base[:slots, c] = t[:slots, c]

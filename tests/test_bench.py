@@ -1,0 +1,20 @@
+"""Smoke test: the benchmarks run (one short round); their figures are not checked here."""
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_meter_bench_runs_one_short_round():
+    out = subprocess.run(
+        [sys.executable, "bench/meter_bench.py", "--rounds", "1", "--n", "1000"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    result = json.loads(out)
+    assert result["scenario"] == "metering" and result["rounds"] == 1
+    assert result["metered_ns_p50"] > 0 and result["baseline_ns_p50"] > 0

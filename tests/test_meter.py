@@ -1,0 +1,176 @@
+"""Unit tests of polyserve.meter and the table layout, with simulated workers (no forking)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from polyserve import meter, prometheus
+from polyserve.meter import CELLS, Cell, Meter
+from polyserve.shm import HEADER_WORDS, MAGIC, Table
+
+SPACES = ["o/a", "o/b", "o/c"]
+S = 1_000_000  # µs per second
+
+
+class Clock:
+    def __init__(self, now: int = 1_000 * S) -> None:
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def world(workers: int = 3, slots: int = 4):
+    table = Table.anonymous(workers, slots, CELLS)
+    clock = Clock()
+    return table, clock, [Meter(table, row, clock=clock) for row in range(workers)]
+
+
+def test_every_region_of_the_layout_is_distinct():
+    table = Table.anonymous(3, 5, CELLS)
+    touched = np.zeros(len(table.words), dtype=int)
+    indices = list(range(HEADER_WORDS))
+    indices += [HEADER_WORDS + 2 * w for w in range(3)]  # pids
+    indices += [table.inflight_index(w) for w in range(3)]
+    indices += [table.cells_base - 5 + s for s in range(5)]  # generations
+    indices += [table.cell_index(r, s, c) for r in range(4) for s in range(5) for c in range(CELLS)]
+    for i in indices:
+        touched[i] += 1
+    assert (touched == 1).all(), "every word belongs to exactly one field"
+    assert len(table.words) * 8 == Table.size_for(3, 5, CELLS)
+    assert table.words[0] == MAGIC and table.words[2:5].tolist() == [3, 5, CELLS]
+    table.generations[4] = 7
+    assert table.words[table.cells_base - 1] == 7
+    table.pids[2] = 99
+    assert table.words[HEADER_WORDS + 4] == 99
+
+
+def test_requests_busy_time_errors_and_in_flight():
+    table, clock, (m, *_) = world()
+    t0 = m.begin()
+    assert table.inflight_array().tolist() == [1, 0, 0]
+    clock.now += 250_000
+    m.end(0, t0, error=False)
+    t1 = m.begin()
+    clock.now += 1_000
+    m.end(0, t1, error=True)
+    m.end(None, m.begin(), error=False)  # a 404: no space answered
+    cells = table.cell_array()[0, 0]
+    assert cells[Cell.REQUESTS] == 2 and cells[Cell.ERRORS] == 1
+    assert cells[Cell.BUSY_US] == 251_000
+    assert table.inflight_array().tolist() == [0, 0, 0]
+
+
+def test_usage_sums_workers_and_counts_open_residency():
+    table, clock, meters = world()
+    for row, m in enumerate(meters):  # worker w answers w+1 requests on o/a
+        for _ in range(row + 1):
+            m.end(0, m.begin(), error=False)
+    meters[0].loaded(0, clock.now - 60 * S, rss_bytes=300 * 1024)  # loaded 60 s ago
+    meters[1].loaded(0, clock.now - 30 * S, rss_bytes=100 * 1024)
+    meters[1].loaded(1, clock.now - 10 * S, rss_bytes=0)
+    meters[1].released(1)
+    u = meter.usage(table, SPACES, clock.now)
+    a, b, c = (u["spaces"][name] for name in SPACES)
+    assert {k: a[k] for k in ("requests", "busy_ms", "warm_s", "loaded")} == {
+        "requests": 6,
+        "busy_ms": 0,
+        "warm_s": 90,
+        "loaded": True,
+    }
+    assert a["workers_loaded"] == 2 and a["cold_starts"] == 2 and a["rss_kib"] == 300
+    assert a["last_import_ms"] == 60_000.0
+    assert (b["loaded"], b["warm_s"], b["workers_loaded"]) == (False, 10, 0)
+    assert c == {**c, "requests": 0, "warm_s": 0, "loaded": False}
+
+
+def test_the_seed_fields_have_the_seed_types():
+    table, clock, (m, *_) = world()
+    m.end(0, m.begin(), error=False)
+    fields = meter.usage(table, SPACES, clock.now)["spaces"]["o/a"]
+    assert [type(fields[k]) for k in ("requests", "busy_ms", "warm_s", "loaded")] == [
+        int,
+        int,
+        int,
+        bool,
+    ]
+
+
+def test_a_swap_keeps_one_residency_stretch():
+    table, clock, (m, *_) = world()
+    m.loaded(0, clock.now, rss_bytes=0)
+    clock.now += 5 * S
+    m.loaded(0, clock.now, rss_bytes=0)  # the new version, while the old drains
+    clock.now += 5 * S
+    m.released(0)
+    assert table.cell_array()[0, 0, Cell.RESIDENT_US] == 10 * S
+
+
+def test_a_dead_workers_counts_stay_and_its_residency_is_closed():
+    table, clock, meters = world()
+    for _ in range(100):
+        meters[1].end(0, meters[1].begin(), error=False)
+    meters[1].loaded(0, clock.now, rss_bytes=0)
+    meters[1].begin()  # killed mid-request
+    clock.now += 42 * S
+    meter.fold_row(table, 1, clock.now)  # what the master does in child_exit
+    clock.now += 1000 * S  # the dead worker's residency must not grow any more
+    u = meter.usage(table, SPACES, clock.now)["spaces"]["o/a"]
+    assert (u["requests"], u["warm_s"], u["loaded"]) == (100, 42, False)
+    assert table.inflight_array().tolist() == [0, 0, 0]
+
+
+def test_a_checkpoint_restores_the_same_usage(tmp_path):
+    table, clock, meters = world()
+    for m in meters:
+        m.end(1, m.begin(), error=True)
+    meters[2].loaded(1, clock.now - 7 * S, rss_bytes=0)
+    meter.checkpoint(table, SPACES, tmp_path / "usage.json", clock.now)
+    before = meter.usage(table, SPACES, clock.now)["spaces"]
+
+    restarted = Table.anonymous(3, 4, CELLS)
+    meter.set_base(restarted, meter.checkpoint_totals(tmp_path / "usage.json", SPACES))
+    after = meter.usage(restarted, SPACES, clock.now)["spaces"]
+    for name in SPACES:  # everything but the live state carries over
+        for key in ("requests", "errors", "busy_ms", "warm_s", "cold_starts"):
+            assert after[name][key] == before[name][key], (name, key)
+    assert after["o/b"]["warm_s"] == 7 and not after["o/b"]["loaded"]
+
+
+def test_no_checkpoint_yet_means_nothing_to_restore(tmp_path):
+    assert meter.checkpoint_totals(tmp_path / "usage.json", SPACES) is None
+
+
+def test_a_leftover_segment_is_counted_up_to_the_masters_last_checkpoint(tmp_path):
+    table, clock, (m, *_) = world()
+    m.loaded(0, clock.now, rss_bytes=0)
+    for _ in range(5):
+        m.end(0, m.begin(), error=False)
+    clock.now += 3 * S
+    meter.checkpoint(table, SPACES, tmp_path / "usage.json", clock.now)  # alive at +3 s
+    m.loaded(1, clock.now + 60 * S, rss_bytes=0)  # a load after the last sign of life
+    t = meter.leftover_totals(table)
+    assert t[0, Cell.REQUESTS] == 5
+    assert t[0, Cell.RESIDENT_US] == 3 * S  # not past the master's last sign of life
+    assert t[1, Cell.RESIDENT_US] == 0  # never negative
+
+
+def test_prometheus_exposition_parses_and_carries_the_counts():
+    table, clock, (m, *_) = world()
+    t0 = m.begin()
+    clock.now += 1_500_000
+    m.end(0, t0, error=False)
+    m.loaded(0, clock.now, rss_bytes=2048)
+    text = prometheus.exposition(meter.usage(table, SPACES, clock.now)).decode()
+    samples = {
+        (s.name, s.labels.get("space")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert samples[("polyserve_space_requests_total", "o/a")] == 1
+    assert samples[("polyserve_space_busy_seconds_total", "o/a")] == pytest.approx(1.5)
+    assert samples[("polyserve_space_memory_bytes", "o/a")] == 2048
+    assert samples[("polyserve_space_workers_loaded", "o/a")] == 1
+    assert samples[("polyserve_in_flight", None)] == 0
