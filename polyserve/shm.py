@@ -44,14 +44,15 @@ def segment_name(data_dir: str) -> str:
 def _untracked():
     # Python < 3.13 registers every SharedMemory with the resource tracker, which
     # spawns a helper process and unlinks (with a warning) segments it thinks leaked
-    # when the master exits. The master owns the lifetime itself (unlink in on_exit),
-    # so registration is suppressed while the segment is created or attached.
-    register = resource_tracker.register
-    resource_tracker.register = lambda name, rtype: None
+    # when the master exits; unlink() unregisters, which spawns one too and makes it
+    # raise KeyError for a name it never saw. The master owns the lifetime itself
+    # (unlink in on_exit), so both are suppressed around create, attach and unlink.
+    register, unregister = resource_tracker.register, resource_tracker.unregister
+    resource_tracker.register = resource_tracker.unregister = lambda name, rtype: None
     try:
         yield
     finally:
-        resource_tracker.register = register
+        resource_tracker.register, resource_tracker.unregister = register, unregister
 
 
 class Table:
@@ -136,7 +137,8 @@ class Table:
         magic, layout, w, s, c = header[:5]
         if (magic, layout) != (MAGIC, LAYOUT_VERSION) or shm.size < cls.size_for(w, s, c):
             shm.close()
-            shm.unlink()  # not ours to read: an older layout. The checkpoint covers it.
+            with _untracked():
+                shm.unlink()  # not ours to read: an older layout. The checkpoint covers it.
             return None
         return cls(shm.buf, w, s, c, shm=shm)
 
@@ -155,5 +157,5 @@ class Table:
         if self._shm is not None:
             self._shm.close()
             if unlink:
-                with contextlib.suppress(FileNotFoundError):  # already gone: fine
+                with _untracked(), contextlib.suppress(FileNotFoundError):  # gone: fine
                     self._shm.unlink()

@@ -119,6 +119,7 @@ def test_stop_and_start_keeps_the_counts_and_leaks_no_segment(host_factory):
     before = usage(host, "u/s")
     host.stop()
     assert not (Path("/dev/shm") / segment_name(str(host.data_dir))).exists()
+    assert "resource_tracker" not in host.log.read_text(), "Python's tracker got involved"
     host.start()
     after = usage(host, "u/s")
     assert after["requests"] == 25 and after["busy_ms"] == before["busy_ms"]
