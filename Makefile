@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run build test lint bench settings-table clean
+.PHONY: install run build examples test lint bench settings-table clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,10 @@ run: install
 	$(BIN)/gunicorn -c gunicorn.conf.py
 
 # The seed's `make build`: build what the examples need, then start the host.
-build: install run
+build: examples run
+
+examples: install
+	$(BIN)/python examples/python-onnx-tiny/train.py
 
 test: install
 	$(BIN)/ruff check .
@@ -29,6 +32,7 @@ test: install
 # Benchmarks never run in `make test`; tests/test_bench.py only checks they run.
 bench: install
 	$(BIN)/python bench/meter_bench.py
+	$(BIN)/python bench/cold_start.py
 
 lint: install
 	$(BIN)/ruff check .

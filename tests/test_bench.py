@@ -18,3 +18,16 @@ def test_meter_bench_runs_one_short_round():
     result = json.loads(out)
     assert result["scenario"] == "metering" and result["rounds"] == 1
     assert result["metered_ns_p50"] > 0 and result["baseline_ns_p50"] > 0
+
+
+def test_cold_start_bench_runs_one_short_round():
+    out = subprocess.run(
+        [sys.executable, "bench/cold_start.py", "--cycles", "4", "--processes", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    result = json.loads(out)
+    assert result["reimport"]["n"] == 4 and result["fresh_worker"]["n"] == 1
+    assert result["reimport_second_half"]["modules_growth"] == 0

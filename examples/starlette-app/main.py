@@ -2,12 +2,11 @@
 
 import contextlib
 
+import words  # shipped in this tar next to main.py; resolves to this space's own copy
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-
-import words  # shipped in this tar next to main.py; resolves to this space's own copy
 
 
 @contextlib.asynccontextmanager
@@ -17,10 +16,12 @@ async def lifespan(app):
 
 
 async def index(request: Request):
-    return JSONResponse({
-        "words": len(request.state.vocabulary),
-        "lookup": str(request.url_for("lookup", word="space")),
-    })
+    return JSONResponse(
+        {
+            "words": len(request.state.vocabulary),
+            "lookup": str(request.url_for("lookup", word="space")),
+        }
+    )
 
 
 async def lookup(request: Request):
