@@ -1,4 +1,4 @@
-"""Smoke test: the benchmarks run (one short round); their figures are not checked here."""
+"""Smoke tests: the benchmarks run (one short round); their figures are not checked here."""
 
 import json
 import subprocess
@@ -7,27 +7,20 @@ import sys
 from tests.conftest import REPO
 
 
+def run_bench(script: str, *args: str) -> dict:
+    argv = [sys.executable, f"bench/{script}", *args]
+    return json.loads(
+        subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    )
+
+
 def test_meter_bench_runs_one_short_round():
-    out = subprocess.run(
-        [sys.executable, "bench/meter_bench.py", "--rounds", "1", "--n", "1000"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    result = json.loads(out)
+    result = run_bench("meter_bench.py", "--rounds", "1", "--n", "1000")
     assert result["scenario"] == "metering" and result["rounds"] == 1
     assert result["metered_ns_p50"] > 0 and result["baseline_ns_p50"] > 0
 
 
 def test_cold_start_bench_runs_one_short_round():
-    out = subprocess.run(
-        [sys.executable, "bench/cold_start.py", "--cycles", "4", "--processes", "1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    result = json.loads(out)
+    result = run_bench("cold_start.py", "--cycles", "4", "--processes", "1")
     assert result["reimport"]["n"] == 4 and result["fresh_worker"]["n"] == 1
     assert result["reimport_second_half"]["modules_growth"] == 0
