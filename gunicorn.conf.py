@@ -12,8 +12,11 @@ _s = _settings.load()
 
 bind = _s.bind
 workers = _s.workers
-worker_class = "uvicorn_worker.UvicornWorker"
+# uvicorn-worker's UvicornWorker, with a shutdown that answers what it accepted:
+# see polyserve/worker.py.
+worker_class = "polyserve.worker.Worker"
 wsgi_app = "polyserve.app:app"
+timeout = _s.worker_timeout
 # gunicorn 27 binds a control socket under $HOME by default, where two hosts would fight
 # over one path; each host gets its own in its data directory instead.
 control_socket = _os.path.join(_os.path.abspath(_s.data_dir), "gunicorn.ctl")

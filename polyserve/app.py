@@ -18,14 +18,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
-from polyserve import hooks, loader, prometheus
+from polyserve import hooks, loader, openapi, prometheus
 from polyserve import meter as meter_mod
 from polyserve import settings as settings_mod
+from polyserve.auth import Auth
 from polyserve.control import CONTROL_SIGNAL, Control
 from polyserve.meter import CELLS, Meter
 from polyserve.shm import Table
 from polyserve.spaces import NotDeployed, Registry
-from polyserve.store import Staged, Store, StoreError, parse_space
+from polyserve.store import Staged, Store, StoreError
 from polyserve.validate import validate
 
 log = logging.getLogger("polyserve")
@@ -41,6 +42,7 @@ class Host:
     def __init__(self, settings: settings_mod.Settings, clock: Callable[[], float]) -> None:
         self.settings = settings
         self.clock = clock
+        self.auth = Auth(settings.deploy_token, settings.tokens_file)
         self.started = time.time()
 
     @contextlib.asynccontextmanager
@@ -85,40 +87,79 @@ class Host:
         except loader.LoadError as exc:
             self.meter.end(self.registry.slot_of(space), started, error=True)
             return await _answer(scope, receive, send, 500, {**exc.details, "space": space})
+        metered = False
+
+        def count(status: int) -> None:
+            nonlocal metered
+            if not metered:
+                metered = True
+                self.meter.end(active.slot, started, error=status >= 500)
+
+        status = 500  # if _run raises mid-response
+        try:
+            status = await self._run(active.imported, space, scope, receive, send, count)
+        finally:
+            self.registry.release(active)
+            count(status)
+
+    async def _run(
+        self,
+        imported: loader.Imported,
+        space: str,
+        scope: dict[str, Any],
+        receive: Any,
+        send: Any,
+        count: Callable[[int], None],
+    ) -> int:
+        """Call the space; returns the status it answered (0 for a websocket)."""
         status = 0
 
         async def tracking_send(message: dict[str, Any]) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                # Counted before the last bytes leave: a worker killed after its client
+                # has the answer must not have lost the count (counted >= served).
+                count(status)
             await send(message)
 
-        imported = active.imported
         if imported.kind == "app":
             scope["state"] = imported.state.copy()  # lifespan state, shallow-copied per ASGI
         # The space must see what it would under `uvicorn --root-path /s/owner/name`: the
         # host's router and app root would make its url_for look up the host's routes.
         scope.pop("router", None)
         scope.pop("app_root_path", None)
+        timeout = self.settings.request_timeout
         try:
-            await imported.app(scope, receive, tracking_send)
-        except Exception:
-            log.exception("space %s v%d raised", space, imported.version)
+            async with asyncio.timeout(timeout) as deadline:
+                await imported.app(scope, receive, tracking_send)
+        except Exception as exc:
+            timed_out = isinstance(exc, TimeoutError) and deadline.expired()
+            if timed_out:
+                log.warning("space %s took longer than %g s: cancelled", space, timeout)
+            else:
+                log.exception("space %s v%d raised", space, imported.version)
             if status:
-                status = 500
-                raise  # mid-response: the server closes the connection
-            status = 500
-            body = {"error": f"space {space} raised an exception; see the host log"}
-            await _answer(scope, receive, send, 500, {**body, "space": space})
-        finally:
-            self.registry.release(active)
-            # An HTTP app that returns without a response gets a 500 from the server.
-            failed = status >= 500 or (status == 0 and scope["type"] == "http")
-            self.meter.end(active.slot, started, error=failed)
+                raise  # mid-response: nothing more can be said; the server closes it
+            code, error = (
+                (
+                    504,
+                    f"space {space} did not answer within {timeout:g} s"
+                    " (POLYSERVE_REQUEST_TIMEOUT)",
+                )
+                if timed_out
+                else (500, f"space {space} raised an exception; see the host log")
+            )
+            await _answer(scope, receive, send, code, {"error": error, "space": space})
+            return code
+        # An HTTP app that returns without a response gets a 500 from the server.
+        return 500 if status == 0 and scope["type"] == "http" else status
 
     # -- the control plane ---------------------------------------------------------------
 
     async def deploy(self, request: Request) -> Response:
+        who = self._writer(request)  # before the body is read
         limit = self.settings.max_upload_mb << 20
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
@@ -129,7 +170,7 @@ class Host:
                 space, module = form.get("space"), form.get("module")
                 if not isinstance(space, str) or not space:
                     raise StoreError(422, "missing form field `space` (owner/name)")
-                parse_space(space)
+                self.auth.allow(who, space)
                 if not isinstance(module, UploadFile):
                     raise StoreError(
                         422,
@@ -137,7 +178,10 @@ class Host:
                         " or -F module=@space.tar",
                     )
                 staged = await anyio.to_thread.run_sync(
-                    self.store.stage, module.file, module.filename or "", limit * 4
+                    self.store.stage,
+                    module.file,
+                    module.filename or "",
+                    self.settings.max_unpacked_mb << 20,
                 )
         except _TooLarge:
             raise _too_large(limit) from None
@@ -173,7 +217,8 @@ class Host:
         return number
 
     async def delete(self, request: Request) -> Response:
-        space = parse_space(f"{request.path_params['owner']}/{request.path_params['name']}")
+        space = f"{request.path_params['owner']}/{request.path_params['name']}"
+        self.auth.allow(self._writer(request), space)
 
         def undeploy() -> bool:
             with self.store.locked():
@@ -187,6 +232,13 @@ class Host:
         self.control.announce()
         self.registry.refresh()
         return JSONResponse({"space": space, "deleted": True})
+
+    def _writer(self, request: Request) -> str:
+        client = request.client.host if request.client else None
+        return self.auth.identify(request.headers.get("authorization"), client)
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi.SPEC)
 
     async def list_spaces(self, request: Request) -> Response:
         return JSONResponse({"spaces": await anyio.to_thread.run_sync(self.store.spaces)})
@@ -255,6 +307,7 @@ def create_app(
         Route("/_polyserve/usage", host.usage, methods=["GET"]),
         Route("/_polyserve/health", host.health, methods=["GET"]),
         Route("/metrics", host.metrics, methods=["GET"]),
+        Route("/_polyserve/openapi.json", host.openapi, methods=["GET"]),
         Mount("/s/{owner}/{name}", app=host.dispatch),
     ]
     app = Starlette(

@@ -16,6 +16,7 @@ Published version directories are never written again; only ``current`` moves.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -110,15 +111,17 @@ class Store:
     def stage(self, upload: BinaryIO, filename: str, max_unpacked: int) -> Staged:
         """Unpack an upload (a .py file or a tar) into a fresh directory and find its entry."""
         digest, size = _hash(upload)
-        staging = Path(tempfile.mkdtemp(dir=self.staging_dir))
+        with _disk_full_is_507():
+            staging = Path(tempfile.mkdtemp(dir=self.staging_dir))
         try:
-            if filename.endswith(".py"):
-                # Keep the uploaded name, so errors and tracebacks name the user's file.
-                entry = filename if _SOURCE_NAME.fullmatch(filename) else "main.py"
-                _write_source(upload, staging / entry, filename)
-            else:
-                _extract_tar(upload, staging, max_unpacked, filename)
-                entry = _find_entry(staging)
+            with _disk_full_is_507():
+                if filename.endswith(".py"):
+                    # Keep the uploaded name, so errors and tracebacks name the user's file.
+                    entry = filename if _SOURCE_NAME.fullmatch(filename) else "main.py"
+                    _write_source(upload, staging / entry, filename)
+                else:
+                    _extract_tar(upload, staging, max_unpacked, filename)
+                    entry = _find_entry(staging)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -143,25 +146,34 @@ class Store:
         """Move a validated stage into place and flip `current`. Hold locked(); returns
         (slot, version number)."""
         sdir = self.space_dir(space)
-        slot = self.slot(space)
-        if slot is None:
-            slot = self._allocate_slot(space)
         versions = sdir / "versions"
-        versions.mkdir(parents=True, exist_ok=True)
-        number = _read_int(sdir / "last", 0) + 1
-        meta = {
-            **meta,
-            "space": space,
-            "version": number,
-            "sha256": staged.sha256,
-            "size": staged.size,
-            "entry": staged.entry,
-            "deployed_at": time.time(),
-        }
-        _write_atomic(versions / f"{number}.json", json.dumps(meta).encode())
-        os.rename(staged.dir, versions / str(number))
-        _write_atomic(sdir / "last", str(number).encode())
-        _symlink_atomic(f"versions/{number}", sdir / "current")
+        with _disk_full_is_507():
+            slot = self.slot(space)
+            if slot is None:
+                slot = self._allocate_slot(space)
+            versions.mkdir(parents=True, exist_ok=True)
+            number = _read_int(sdir / "last", 0) + 1
+            meta = {
+                **meta,
+                "space": space,
+                "version": number,
+                "sha256": staged.sha256,
+                "size": staged.size,
+                "entry": staged.entry,
+                "deployed_at": time.time(),
+            }
+            version_dir, meta_path = versions / str(number), versions / f"{number}.json"
+            try:
+                _write_atomic(meta_path, json.dumps(meta).encode())
+                os.rename(staged.dir, version_dir)
+                _write_atomic(sdir / "last", str(number).encode())
+                _symlink_atomic(f"versions/{number}", sdir / "current")
+            except BaseException:
+                # Nothing is active before the flip: undo what this publish wrote (the
+                # number may be skipped; numbers are never reused anyway).
+                shutil.rmtree(version_dir, ignore_errors=True)
+                meta_path.unlink(missing_ok=True)
+                raise
         self._prune(versions, number)
         return slot, number
 
@@ -303,9 +315,6 @@ def _extract_tar(upload: BinaryIO, dest: Path, max_unpacked: int, filename: str)
             for m in tar:  # headers stream in; every cap is checked before any data is written
                 if len(members) >= MAX_TAR_ENTRIES:
                     raise StoreError(422, f"tar has more than {MAX_TAR_ENTRIES} entries")
-                name = _member_name(m.name)
-                if not name:
-                    continue  # the "." directory entry
                 if not (m.isreg() or m.isdir()):
                     # Links and special files are refused outright rather than checked:
                     # the tarfile filter bypasses of 2024-2025 all went through links.
@@ -315,6 +324,11 @@ def _extract_tar(upload: BinaryIO, dest: Path, max_unpacked: int, filename: str)
                         member=m.name,
                         type=_TYPE_NAMES.get(m.type, repr(m.type)),
                     )
+                name = _member_name(m.name)
+                if not name:
+                    if m.isdir():
+                        continue  # the "." directory entry
+                    raise StoreError(422, "tar member has an empty name", member=m.name)
                 total += m.size
                 if total > max_unpacked:
                     raise StoreError(
@@ -327,6 +341,8 @@ def _extract_tar(upload: BinaryIO, dest: Path, max_unpacked: int, filename: str)
     except StoreError:
         raise
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            raise
         raise StoreError(
             422,
             f"module must be a .py file or a valid tar (plain or gzip): {exc}",
@@ -380,8 +396,29 @@ def _read_int(path: Path, default: int | None) -> int | None:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def _disk_full_is_507() -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _DISK_FULL:
+            raise
+        raise StoreError(
+            507,
+            "the data disk is full: nothing was published; free space under"
+            " POLYSERVE_DATA_DIR and deploy again",
+        ) from None
 
 
 def _symlink_atomic(target: str, link: Path) -> None:

@@ -43,9 +43,12 @@ def free_port() -> int:
 class HostProcess:
     """`gunicorn -c gunicorn.conf.py` started by a test, stopped by its PID."""
 
-    def __init__(self, data_dir: Path, workers: int = 2, **env: str) -> None:
+    def __init__(
+        self, data_dir: Path, workers: int = 2, args: tuple[str, ...] = (), **env: str
+    ) -> None:
         self.data_dir = data_dir
         self.workers = workers
+        self.args = args  # extra gunicorn command-line options
         self.extra_env = env
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -66,7 +69,7 @@ class HostProcess:
         }
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
+                [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", *self.args],
                 cwd=REPO,
                 env=env,
                 stdout=log,

@@ -18,7 +18,7 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
     s = settings.load(
         {"POLYSERVE_DATA_DIR": str(tmp_path / "data"), "POLYSERVE_MAX_UPLOAD_MB": "1"}
     )
-    with TestClient(create_app(s)) as c:
+    with TestClient(create_app(s), client=("127.0.0.1", 50000)) as c:
         yield c
 
 

@@ -36,3 +36,9 @@ def test_every_declaration_is_a_settings_field_and_back():
 def test_readme_settings_table_is_generated_from_the_declarations():
     readme = (REPO / "README.md").read_text()
     assert settings.markdown_table() in readme, "run: python -m polyserve.settings"
+
+
+def test_the_unpacked_cap_follows_the_upload_cap_unless_set():
+    assert settings.load({"POLYSERVE_MAX_UPLOAD_MB": "10"}).max_unpacked_mb == 40
+    both = {"POLYSERVE_MAX_UPLOAD_MB": "10", "POLYSERVE_MAX_UNPACKED_MB": "15"}
+    assert settings.load(both).max_unpacked_mb == 15

@@ -1,0 +1,43 @@
+"""The worker class: uvicorn-worker's, with a shutdown that answers what it already accepted."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+from gunicorn.arbiter import Arbiter
+from uvicorn.server import Server
+from uvicorn_worker import UvicornWorker
+
+# How long a connection accepted just before shutdown has to deliver its request; over
+# loopback it takes microseconds, over a network about half a round trip.
+ACCEPT_GRACE_S = 0.1
+
+
+class _Server(Server):
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn's shutdown closes every connection that has not started a request yet,
+        # including one accepted an instant ago whose request is still on its way: that
+        # client gets no answer (the race of gunicorn#2529), at every max_requests
+        # recycle and HUP. So stop accepting first, let those requests arrive, and only
+        # then let uvicorn close what is really idle.
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        await asyncio.sleep(ACCEPT_GRACE_S)
+        await super().shutdown(sockets)
+
+
+class Worker(UvicornWorker):
+    """gunicorn worker class `polyserve.worker.Worker` (uvloop + httptools)."""
+
+    async def _serve(self) -> None:
+        # uvicorn-worker's own _serve, with the server above.
+        self.config.app = self.wsgi
+        server = _Server(config=self.config)
+        self._install_sigquit_handler()
+        await server.serve(sockets=self.sockets)
+        if not server.started:
+            sys.exit(Arbiter.WORKER_BOOT_ERROR)
