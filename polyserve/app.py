@@ -217,21 +217,41 @@ class Host:
         return number
 
     async def delete(self, request: Request) -> Response:
+        space, _ = await self._change(request, self._undeploy)
+        return JSONResponse({"space": space, "deleted": True})
+
+    async def release(self, request: Request) -> Response:
+        """What the idle reaper does, now and in every worker: the next request imports
+        the space afresh (for operators, and for cold-start benchmarks)."""
+        space, signalled = await self._change(request, self._release)
+        return JSONResponse({"space": space, "released": True, "workers_signalled": signalled})
+
+    async def _change(self, request: Request, change: Callable[[str], bool]) -> tuple[str, int]:
+        """An authorized write to a deployed space under the store lock, then announced."""
         space = f"{request.path_params['owner']}/{request.path_params['name']}"
         self.auth.allow(self._writer(request), space)
 
-        def undeploy() -> bool:
+        def locked() -> bool:
             with self.store.locked():
-                slot = self.store.delete(space)
-                if slot is not None:
-                    self.control.bump(slot)
-                return slot is not None
+                return change(space)
 
-        if not await anyio.to_thread.run_sync(undeploy):
+        if not await anyio.to_thread.run_sync(locked):
             raise StoreError(404, f"space {space} is not deployed", space=space)
-        self.control.announce()
+        signalled = self.control.announce()
         self.registry.refresh()
-        return JSONResponse({"space": space, "deleted": True})
+        return space, signalled
+
+    def _undeploy(self, space: str) -> bool:
+        slot = self.store.delete(space)
+        if slot is not None:
+            self.control.bump(slot)
+        return slot is not None
+
+    def _release(self, space: str) -> bool:
+        if self.store.current(space) is None:
+            return False
+        self.control.request_release(self.store.slot(space))
+        return True
 
     def _writer(self, request: Request) -> str:
         client = request.client.host if request.client else None
@@ -304,6 +324,7 @@ def create_app(
         Route("/_polyserve/deploy", host.deploy, methods=["POST"]),
         Route("/_polyserve/spaces", host.list_spaces, methods=["GET"]),
         Route("/_polyserve/spaces/{owner}/{name}", host.delete, methods=["DELETE"]),
+        Route("/_polyserve/spaces/{owner}/{name}/release", host.release, methods=["POST"]),
         Route("/_polyserve/usage", host.usage, methods=["GET"]),
         Route("/_polyserve/health", host.health, methods=["GET"]),
         Route("/metrics", host.metrics, methods=["GET"]),

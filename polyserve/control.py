@@ -26,10 +26,19 @@ class Control:
         return self.table.generations[space_slot]
 
     def bump(self, space_slot: int) -> int:
-        """Advance a space's generation. Callers hold the space's store lock."""
+        """Advance a space's generation. Callers hold the store lock."""
         gen = self.table.generations[space_slot] + 1
         self.table.generations[space_slot] = gen
         return gen
+
+    def release_count(self, space_slot: int) -> int:
+        return self.table.releases[space_slot]
+
+    def request_release(self, space_slot: int) -> None:
+        """Make every worker drop its copy: the release word says why the generation
+        moved, so a worker imports afresh instead of keeping the same version."""
+        self.table.releases[space_slot] += 1
+        self.bump(space_slot)
 
     def publish_pid(self) -> None:
         """Make this worker reachable by announce(); call once the handler is installed."""

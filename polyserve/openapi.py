@@ -92,6 +92,19 @@ SPEC: dict[str, Any] = {
                 },
             }
         },
+        "/_polyserve/spaces/{owner}/{name}/release": {
+            "post": {
+                "summary": "Release the space in every worker now; the next call imports it",
+                "security": [{}, {"bearer": []}],
+                "parameters": _SPACE_PARAMS,
+                "responses": {
+                    "200": _json("released", {"type": "object", "required": ["space", "released"]}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed"),
+                    "422": _error("the space name is not valid"),
+                },
+            }
+        },
         "/_polyserve/usage": {
             "get": {
                 "summary": "Usage per space and for the host",

@@ -5,7 +5,8 @@ Layout (native int64 words, so every cell is an aligned 8-byte store)::
     header       8 words   MAGIC, LAYOUT_VERSION, W, S, C, started (wall µs),
                            alive (monotonic µs, the master's last checkpoint), 0
     workers      W x 2     per worker row: pid (0 = free or booting), requests in flight
-    generations  S         per space slot: bumped by each deploy and delete
+    generations  S         per space slot: bumped by each deploy, delete and release
+    releases     S         per space slot: bumped by each release on demand
     cells        (W+1) x S x C
                            usage counters per (row, space); rows 0..W-1 belong to one
                            worker each, row W is the master's "base" row holding what
@@ -28,7 +29,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 MAGIC = 0x70_6F_6C_79_73_72_76  # "polysrv"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 HEADER_WORDS = 8
 H_STARTED, H_ALIVE = 5, 6
 WORKER_WORDS = 2  # pid, in flight
@@ -77,13 +78,14 @@ class Table:
         self.workers_base = HEADER_WORDS
         gen = HEADER_WORDS + WORKER_WORDS * w
         self.generations = self.words[gen : gen + s]
-        self.cells_base = gen + s
+        self.releases = self.words[gen + s : gen + 2 * s]
+        self.cells_base = gen + 2 * s
         self.base_row = w  # the master's row of restored totals
 
     @staticmethod
     def size_for(worker_slots: int, space_slots: int, cells: int) -> int:
         w, s = worker_slots, space_slots
-        return 8 * (HEADER_WORDS + WORKER_WORDS * w + s + (w + 1) * s * cells)
+        return 8 * (HEADER_WORDS + WORKER_WORDS * w + 2 * s + (w + 1) * s * cells)
 
     def inflight_index(self, row: int) -> int:
         return self.workers_base + WORKER_WORDS * row + 1
@@ -152,7 +154,7 @@ class Table:
 
     def close(self, unlink: bool = False) -> None:
         """Release this process's views; the master also unlinks the name at exit."""
-        for view in (self.pids, self.generations, self.words):
+        for view in (self.pids, self.generations, self.releases, self.words):
             view.release()
         if self._shm is not None:
             self._shm.close()

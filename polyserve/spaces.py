@@ -30,6 +30,7 @@ class Active:
     version: Version
     slot: int
     generation: int  # the space's generation word when this was found current
+    release: int  # the space's release word when this was loaded
     loaded_at: float
     last_used: float
     inflight: int = 0
@@ -130,7 +131,8 @@ class Registry:
             if current is not None:
                 self._retire(current)
             raise NotDeployed(space)
-        if current is not None and current.version == version:
+        release = self.control.release_count(slot)
+        if current is not None and current.version == version and current.release == release:
             current.generation = generation  # a bump that did not change the version
             return current
         started, started_us, rss_before = self.clock(), self.meter.clock(), rss_bytes()
@@ -142,7 +144,9 @@ class Registry:
         self.meter.loaded(slot, started_us, rss_bytes() - rss_before)
         self._held[space] = self._held.get(space, 0) + 1
         now = self.clock()
-        active = Active(imported, version, slot, generation, loaded_at=started, last_used=now)
+        active = Active(
+            imported, version, slot, generation, release, loaded_at=started, last_used=now
+        )
         # The switch: from here on new requests get the new version.
         self.active[space] = active
         if current is not None:
@@ -176,12 +180,17 @@ class Registry:
     # -- control signal and idle release ------------------------------------------------
 
     def refresh(self) -> None:
-        """On the control signal: start loading every held space whose generation moved,
-        so the swap happens before the next request asks for it."""
+        """On the control signal: drop every held space released on demand, and start
+        loading every other one whose generation moved, so a swap happens before the
+        next request asks for it."""
         for space, active in list(self.active.items()):
             slot = self._slots[space]
             generation = self.control.generation(slot)
-            if generation != active.generation and space not in self._loading:
+            if generation == active.generation or space in self._loading:
+                continue
+            if self.control.release_count(slot) != active.release:
+                self._retire(active)  # released on demand: the next request imports it
+            else:
                 # A failure is logged; the next request retries and reports it.
                 self._start_load(space, slot, generation)
 

@@ -162,3 +162,13 @@ def test_an_app_space_routes_and_builds_urls_under_the_prefix(client):
         "base": "http://testserver/s/o/app/",
     }
     assert client.get("/s/o/app/missing").status_code == 404
+
+
+def test_release_makes_the_next_call_import_again(client):
+    deploy(client, "o/r", "import time\nT = time.time()\ndef handle(request):\n    return [T]\n")
+    first = client.get("/s/o/r/").json()
+    assert client.get("/s/o/r/").json() == first
+    r = client.post("/_polyserve/spaces/o/r/release")
+    assert r.status_code == 200 and r.json()["released"] is True
+    assert client.get("/s/o/r/").json() != first
+    assert client.post("/_polyserve/spaces/o/none/release").status_code == 404

@@ -6,6 +6,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx2
 import pytest
 
 from polyserve.hooks import EXIT_DATA_DIR_BUSY
@@ -163,8 +164,6 @@ def test_delete_reaches_every_worker(host):
 
 
 def httpx_delete(host: HostProcess, path: str) -> int:
-    import httpx2
-
     return httpx2.delete(host.url + path).status_code
 
 
@@ -235,3 +234,18 @@ def test_a_second_host_on_the_same_data_dir_refuses_to_start(host_factory):
 
 def test_the_gunicorn_control_socket_lives_in_the_data_dir(host):
     assert (host.data_dir / "gunicorn.ctl").is_socket()
+
+
+def test_a_release_drops_the_space_in_every_worker(host):
+    assert host.deploy("t/release", who("v1")).status_code == 200
+    all_workers(host, "/s/t/release/")  # both workers hold it
+    r = httpx2.post(host.url + "/_polyserve/spaces/t/release/release")
+    assert r.status_code == 200 and r.json()["workers_signalled"] == 1
+
+    def nobody_holds_it():
+        return all(
+            "t/release" not in body["loaded"]
+            for body in all_workers(host, "/_polyserve/health").values()
+        )
+
+    until(nobody_holds_it, what="both workers to release the space")

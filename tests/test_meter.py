@@ -34,7 +34,9 @@ def test_every_region_of_the_layout_is_distinct():
     indices = list(range(HEADER_WORDS))
     indices += [HEADER_WORDS + 2 * w for w in range(3)]  # pids
     indices += [table.inflight_index(w) for w in range(3)]
-    indices += [table.cells_base - 5 + s for s in range(5)]  # generations
+    generations = HEADER_WORDS + 2 * 3
+    indices += [generations + s for s in range(5)]
+    indices += [generations + 5 + s for s in range(5)]  # release words
     indices += [table.cell_index(r, s, c) for r in range(4) for s in range(5) for c in range(CELLS)]
     for i in indices:
         touched[i] += 1
@@ -42,7 +44,9 @@ def test_every_region_of_the_layout_is_distinct():
     assert len(table.words) * 8 == Table.size_for(3, 5, CELLS)
     assert table.words[0] == MAGIC and table.words[2:5].tolist() == [3, 5, CELLS]
     table.generations[4] = 7
-    assert table.words[table.cells_base - 1] == 7
+    assert table.words[generations + 4] == 7
+    table.releases[0] = 8
+    assert table.words[generations + 5] == 8
     table.pids[2] = 99
     assert table.words[HEADER_WORDS + 4] == 99
 

@@ -322,3 +322,38 @@ def test_closing_the_worker_folds_every_residency(world):
     run(main())
     assert world.cell("o/a", Cell.RESIDENT_US) == 6_000_000
     assert world.cell("o/a", Cell.LOADED_SINCE_US) == 0
+
+
+def test_a_release_on_demand_drops_the_space_and_the_next_call_imports_it(world, monkeypatch):
+    calls = count_imports(monkeypatch)
+    world.deploy("o/s", version(1))
+
+    async def main():
+        await world.call("o/s")
+        module = weakref.ref(world.registry.active["o/s"].imported.module)
+        with world.store.locked():
+            world.control.request_release(world.store.slot("o/s"))
+        world.registry.refresh()  # what the control signal does
+        assert world.registry.active == {}
+        await asyncio.sleep(0)  # the drop
+        assert await world.call("o/s") == 1
+        return module
+
+    module = run(main())
+    gc.collect()
+    assert module() is None and calls == ["o/s", "o/s"]
+
+
+def test_a_release_reaches_a_worker_that_missed_the_signal(world, monkeypatch):
+    calls = count_imports(monkeypatch)
+    world.deploy("o/s", version(1))
+
+    async def main():
+        await world.call("o/s")
+        with world.store.locked():
+            world.control.request_release(world.store.slot("o/s"))
+        # No refresh(): the generation word alone makes the next request import afresh.
+        assert await world.call("o/s") == 1
+
+    run(main())
+    assert calls == ["o/s", "o/s"]
