@@ -138,25 +138,38 @@ def usage(table: Table, names: list[str], now: int) -> dict[str, object]:
     cells = table.cell_array()
     n = min(len(names), table.space_slots)
     summed = totals(table, now)
-    t = summed[:n].tolist()
-    loaded_in = (cells[:, :n, Cell.LOADED_SINCE_US] > 0).sum(axis=0).tolist()
-    # "Latest" cells: the largest value over the workers, which load independently.
-    last_import = cells[:, :n, Cell.LAST_IMPORT_US].max(axis=0).tolist()
-    rss = cells[:, :n, Cell.RSS_BYTES].max(axis=0).tolist()
-    spaces = {}
-    for slot, name in enumerate(names[:n]):
-        row = t[slot]
-        spaces[name] = {
-            "requests": row[Cell.REQUESTS],
-            "busy_ms": row[Cell.BUSY_US] // 1000,
-            "warm_s": row[Cell.RESIDENT_US] // 1_000_000,
-            "loaded": loaded_in[slot] > 0,
-            "errors": row[Cell.ERRORS],
-            "cold_starts": row[Cell.LOADS],
-            "workers_loaded": loaded_in[slot],
-            "last_import_ms": round(last_import[slot] / 1000, 3),
-            "rss_kib": rss[slot] // 1024,
+    t = summed[:n]
+    loaded_in = (cells[:, :n, Cell.LOADED_SINCE_US] > 0).sum(axis=0)
+    # Column by column in numpy, then one comprehension: with 10,000 spaces a
+    # per-space loop of arithmetic took 19 ms of the answer.
+    columns = zip(
+        names[:n],
+        t[:, Cell.REQUESTS].tolist(),
+        (t[:, Cell.BUSY_US] // 1000).tolist(),
+        (t[:, Cell.RESIDENT_US] // 1_000_000).tolist(),
+        (loaded_in > 0).tolist(),
+        t[:, Cell.ERRORS].tolist(),
+        t[:, Cell.LOADS].tolist(),
+        loaded_in.tolist(),
+        # "Latest" cells: the largest value over the workers, which load independently.
+        (cells[:, :n, Cell.LAST_IMPORT_US].max(axis=0) / 1000).round(3).tolist(),
+        (cells[:, :n, Cell.RSS_BYTES].max(axis=0) // 1024).tolist(),
+        strict=True,
+    )
+    spaces = {
+        name: {
+            "requests": r,
+            "busy_ms": b,
+            "warm_s": w,
+            "loaded": lo,
+            "errors": e,
+            "cold_starts": c,
+            "workers_loaded": wl,
+            "last_import_ms": li,
+            "rss_kib": k,
         }
+        for name, r, b, w, lo, e, c, wl, li, k in columns
+    }
     pids = table.pids.tolist()
     started = table.header(H_STARTED)
     return {
