@@ -29,10 +29,11 @@ test: install
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
-# Benchmarks never run in `make test`; tests/test_bench.py only checks they run.
+# Benchmarks never run in `make test`; tests/test_bench.py only checks they run. Writes
+# bench/results/<date>.json, its chart, and BENCHMARKS.md (about 5 minutes).
 bench: install
-	$(BIN)/python bench/meter_bench.py
-	$(BIN)/python bench/cold_start.py
+	@command -v wrk >/dev/null || { echo "wrk is missing: install it with 'apt-get install wrk' (Debian/Ubuntu) or your package manager"; exit 1; }
+	$(BIN)/python bench/run.py
 
 lint: install
 	$(BIN)/ruff check .

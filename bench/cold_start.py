@@ -12,54 +12,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import compileall
 import gc
-import io
 import json
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLE = REPO / "examples" / "python-onnx-tiny"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
 SPACE = "lee101/onnx-tiny"
 BUDGET_MS = 500.0
-
-
-def publish(data_dir: Path) -> None:
-    """Deploy the example into a store the way /_polyserve/deploy does, minus HTTP."""
-    from polyserve.store import Store
-
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        tar.add(EXAMPLE, arcname=".")
-    store = Store(data_dir, max_spaces=16)
-    staged = store.stage(buf, "onnx-tiny.tar", 64 << 20)
-    compileall.compile_dir(str(staged.dir), quiet=2)
-    with store.locked():
-        store.publish(SPACE, staged, {"kind": "handle", "import_ms": 0})
-
-
-def registry(data_dir: Path, clock):
-    from polyserve.control import Control
-    from polyserve.meter import CELLS, Meter
-    from polyserve.shm import Table
-    from polyserve.spaces import Registry
-    from polyserve.store import Store
-
-    table = Table.anonymous(1, 16, CELLS)
-    return Registry(
-        Store(data_dir, 16),
-        Control(table, 0),
-        Meter(table, 0),
-        idle_ttl=1.0,
-        start_timeout=30.0,
-        clock=clock,
-    )
 
 
 async def timed_call(reg) -> float:
@@ -86,7 +52,7 @@ async def reimports(data_dir: Path, cycles: int) -> tuple[list[float], dict[str,
     """Release and re-import `cycles` times; returns the times and how much the process
     grew over the second half (0 objects and 0 modules when a release frees it all)."""
     now = [0.0]
-    reg = registry(data_dir, lambda: now[0])
+    reg = harness.registry(data_dir, lambda: now[0])
     await timed_call(reg)  # the first load (onnxruntime import) is the other scenario
     samples = []
     before: dict[str, int] = {}
@@ -106,7 +72,7 @@ async def fresh_child(data_dir: Path) -> None:
     import polyserve.app  # noqa: F401 - what a worker imports at boot
 
     await anyio.to_thread.run_sync(lambda: None)  # as the worker's lifespan does
-    print(await timed_call(registry(data_dir, time.monotonic)))
+    print(await timed_call(harness.registry(data_dir, time.monotonic)))
 
 
 def fresh(data_dir: Path, processes: int) -> list[float]:
@@ -144,7 +110,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp)
-        publish(data_dir)
+        harness.publish_example(data_dir, SPACE)
         times, growth = asyncio.run(reimports(data_dir, args.cycles))
         result = {
             "scenario": "cold start (onnx-tiny)",

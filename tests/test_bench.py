@@ -24,3 +24,32 @@ def test_cold_start_bench_runs_one_short_round():
     result = run_bench("cold_start.py", "--cycles", "4", "--processes", "1")
     assert result["reimport"]["n"] == 4 and result["fresh_worker"]["n"] == 1
     assert result["reimport_second_half"]["modules_growth"] == 0
+
+
+def test_make_bench_runs_one_short_round(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "bench/run.py",
+            "--rounds",
+            "1",
+            "--seconds",
+            "1",
+            "--only",
+            "dispatch overhead",
+            "--out",
+            str(tmp_path),
+            "--report",
+            str(tmp_path / "BENCHMARKS.md"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert list(json.loads(out)) == ["dispatch overhead"]
+    (results,) = tmp_path.glob("*.json")
+    scenario = json.loads(results.read_text())["scenarios"]["dispatch overhead"]
+    assert len(scenario["c32"]["rps_ratio_per_round"]) == 1 and scenario["c32"]["a_rps"] > 0
+    assert "## dispatch overhead" in (tmp_path / "BENCHMARKS.md").read_text()
+    assert next(tmp_path.glob("*.png")).stat().st_size > 0

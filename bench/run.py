@@ -1,0 +1,432 @@
+"""`make bench`: polyserve side by side with what a user would pick instead.
+
+Each scenario runs A (polyserve) and B (the baseline) alternately for several rounds
+on this machine, reports medians and the A/B ratio of every round, and checks it
+against its goal. Writes bench/results/<date>.json, BENCHMARKS.md and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx2
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+from harness import REPO, bare_gunicorn, deploy, polyserve, uvicorn_server, wrk
+
+EXAMPLE = REPO / "examples" / "python-onnx-tiny"
+HELLO = (REPO / "examples" / "hello" / "hello.py").read_bytes()
+
+
+def tar_of(folder: Path | None, extra: dict[str, bytes] | None = None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for path in sorted(folder.iterdir()) if folder else ():
+            if path.is_file():
+                tar.add(path, arcname=path.name)
+        for name, data in (extra or {}).items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def onnx_tiny_tar() -> bytes:
+    return tar_of(EXAMPLE)
+
+
+def heavy_tar() -> bytes:
+    return tar_of(
+        REPO / "bench" / "apps" / "heavy", {"model.onnx": (EXAMPLE / "model.onnx").read_bytes()}
+    )
+
+
+# -- A/B rounds ------------------------------------------------------------------------
+
+
+def ab_rounds(
+    a_url: str, b_url: str, args: argparse.Namespace, connections: tuple[int, ...] = (1, 32)
+) -> dict[str, object]:
+    """A and B alternately (A first in even rounds, B first in odd ones) for each
+    connection count: -c 1 for latency, -c 32 for throughput."""
+    for url in (a_url, b_url):  # warm up: imports, caches, connection pools
+        wrk(url, 32, 1)
+    runs: dict[int, list[tuple[dict, dict]]] = {c: [] for c in connections}
+    for round_ in range(args.rounds):
+        for c in connections:
+            order = [("a", a_url), ("b", b_url)]
+            if round_ % 2:
+                order.reverse()
+            got = {side: wrk(url, c, args.seconds) for side, url in order}
+            runs[c].append((got["a"], got["b"]))
+    out: dict[str, object] = {}
+    for c, pairs in runs.items():
+        out[f"c{c}"] = {
+            "a_rps": harness.median([a["rps"] for a, _ in pairs]),
+            "b_rps": harness.median([b["rps"] for _, b in pairs]),
+            "a_p50_ms": harness.median([a["p50_ms"] for a, _ in pairs]),
+            "b_p50_ms": harness.median([b["p50_ms"] for _, b in pairs]),
+            "a_p99_ms": harness.median([a["p99_ms"] for a, _ in pairs]),
+            "b_p99_ms": harness.median([b["p99_ms"] for _, b in pairs]),
+            "rps_ratio_per_round": [round(a["rps"] / b["rps"], 3) for a, b in pairs],
+            "p50_ratio_per_round": [round(a["p50_ms"] / b["p50_ms"], 3) for a, b in pairs],
+            "errors": sum(a["non_2xx"] + b["non_2xx"] for a, b in pairs),
+        }
+        out[f"c{c}"]["rps_ratio"] = harness.median(out[f"c{c}"]["rps_ratio_per_round"])
+        out[f"c{c}"]["p50_ratio"] = harness.median(out[f"c{c}"]["p50_ratio_per_round"])
+    return out
+
+
+def against_baseline(
+    args,
+    tmp: Path,
+    space: str,
+    upload: tuple[str, bytes],
+    baseline: Callable[[], contextlib.AbstractContextManager[harness.Server]],
+) -> dict:
+    """`space` deployed on polyserve (A) against `baseline` serving it at / (B)."""
+    with polyserve(args.workers, tmp / space.replace("/", "-")) as a, baseline() as b:
+        deploy(a.url, space, *upload)
+        return ab_rounds(a.url + f"/s/{space}/", b.url + "/", args)
+
+
+@contextlib.contextmanager
+def model_server_stack(workers: int) -> Iterator[harness.Server]:
+    """What a model-server stack looks like: a front that forwards to a model server."""
+    with (
+        uvicorn_server("baseline_model:app", workers) as server,
+        bare_gunicorn("model_front:app", workers, MODEL_SERVER_URL=server.url) as front,
+    ):
+        yield front
+
+
+def scenario_dispatch(args, tmp: Path) -> dict:
+    runs = against_baseline(
+        args,
+        tmp,
+        "lee101/hello",
+        ("hello.py", HELLO),
+        lambda: bare_gunicorn("baseline_hello:app", args.workers),
+    )
+    return {
+        "a": "a handle() hello space on polyserve",
+        "b": "the same handler as a plain Starlette app on bare gunicorn",
+        "goal": "throughput ratio >= 0.95",
+        "met": runs["c32"]["rps_ratio"] >= 0.95,
+        **runs,
+    }
+
+
+def scenario_model_server(args, tmp: Path) -> dict:
+    runs = against_baseline(
+        args,
+        tmp,
+        "lee101/onnx-tiny",
+        ("onnx-tiny.tar", onnx_tiny_tar()),
+        lambda: model_server_stack(args.workers),
+    )
+    return {
+        "a": "the onnx-tiny space on polyserve",
+        "b": "gunicorn front -> keep-alive HTTP client -> a separate uvicorn model server"
+        " running the same model",
+        "goal": ">= 10x throughput, p50 <= 0.2x",
+        "met": runs["c32"]["rps_ratio"] >= 10 and runs["c1"]["p50_ratio"] <= 0.2,
+        **runs,
+    }
+
+
+def scenario_model_inprocess(args, tmp: Path) -> dict:
+    runs = against_baseline(
+        args,
+        tmp,
+        "lee101/onnx-tiny",
+        ("onnx-tiny.tar", onnx_tiny_tar()),
+        lambda: bare_gunicorn("baseline_model:app", args.workers),
+    )
+    return {
+        "a": "the onnx-tiny space on polyserve",
+        "b": "the same model in a plain Starlette app on bare gunicorn",
+        "goal": "throughput ratio >= 0.95",
+        "met": runs["c32"]["rps_ratio"] >= 0.95,
+        **runs,
+    }
+
+
+def scenario_scaling(args, tmp: Path) -> dict:
+    tar = heavy_tar()
+    every_core = sorted(os.sched_getaffinity(0))  # 2 workers need 2 cores; wrk shares them
+    with (
+        polyserve(2, tmp / "two", cpus=every_core) as a,
+        polyserve(1, tmp / "one", cpus=every_core) as b,
+    ):
+        for host in (a, b):
+            deploy(host.url, "bench/heavy", "heavy.tar", tar)
+        runs = ab_rounds(
+            a.url + "/s/bench/heavy/", b.url + "/s/bench/heavy/", args, connections=(32,)
+        )
+    ratio = runs["c32"]["rps_ratio"]
+    return {
+        "a": "2 workers, a CPU-bound space (the model on 2,000 rows a call)",
+        "b": "1 worker, the same space",
+        "goal": ">= 1.7x",
+        "met": ratio >= 1.7,
+        **runs,
+    }
+
+
+# -- cold start, density, deploy, metering ---------------------------------------------
+
+
+def run_script(name: str, *argv: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / name), *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out)
+
+
+def percentile(values: list[float], q: int) -> float:
+    return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 3)
+
+
+def scenario_cold_start(args, tmp: Path) -> dict:
+    inproc = run_script(
+        "cold_start.py", "--cycles", str(args.cold_cycles), "--processes", str(args.fresh_processes)
+    )
+    # The same through a real 1-worker host: release on demand, then one timed call.
+    times = []
+    with polyserve(1, tmp / "cold") as host:
+        deploy(host.url, "lee101/onnx-tiny", "onnx-tiny.tar", onnx_tiny_tar())
+        with httpx2.Client(base_url=host.url) as client:
+            client.get("/s/lee101/onnx-tiny/")
+            for _ in range(args.cold_cycles):
+                client.post("/_polyserve/spaces/lee101/onnx-tiny/release").raise_for_status()
+                t0 = time.perf_counter()
+                client.get("/s/lee101/onnx-tiny/").raise_for_status()
+                times.append((time.perf_counter() - t0) * 1000)
+            warm = []
+            for _ in range(args.cold_cycles):
+                t0 = time.perf_counter()
+                client.get("/s/lee101/onnx-tiny/").raise_for_status()
+                warm.append((time.perf_counter() - t0) * 1000)
+    http = {
+        "n": len(times),
+        "p50_ms": harness.median(times),
+        "p99_ms": percentile(times, 99),
+        "warm_call_p50_ms": harness.median(warm),
+    }
+    reimport = inproc["reimport"]
+    met = reimport["p50_ms"] <= 5 and reimport["p99_ms"] <= 20
+    return {
+        "a": "re-import after a release, and the first load in a fresh worker",
+        "b": "the product note's 500 ms budget",
+        "goal": "p50 <= 5 ms, p99 <= 20 ms",
+        "met": met,
+        **inproc,
+        "through_http_after_release": http,
+    }
+
+
+def scenario_density(args, tmp: Path) -> dict:
+    density = run_script("density.py", "--spaces", str(args.density_spaces))
+    usage = usage_with_many(tmp / "usage", args.usage_spaces)
+    met = density["kib_per_space"] <= 256 and usage["p50_ms"] <= 20
+    return {
+        "a": f"{args.density_spaces} distinct onnx-tiny spaces loaded in one worker",
+        "b": "the worker's RSS before",
+        "goal": "<= 256 KiB per loaded space;"
+        f" usage answer <= 20 ms with {args.usage_spaces} deployed",
+        "met": met,
+        **density,
+        "usage_answer": usage,
+    }
+
+
+def usage_with_many(data_dir: Path, spaces: int) -> dict:
+    """GET /_polyserve/usage on a real host whose store holds `spaces` spaces."""
+    data_dir.mkdir(parents=True)
+    # The slot map as deploys would have written it (publishing 10,000 real versions
+    # would only time the validator).
+    (data_dir / "slots.log").write_text("".join(f"{i}\tbench/s{i}\n" for i in range(spaces)))
+    times = []
+    with (
+        polyserve(1, data_dir, POLYSERVE_MAX_SPACES=str(spaces)) as host,
+        httpx2.Client(base_url=host.url) as client,
+    ):
+        body = client.get("/_polyserve/usage").json()
+        assert len(body["spaces"]) == spaces
+        for _ in range(30):
+            t0 = time.perf_counter()
+            client.get("/_polyserve/usage").raise_for_status()
+            times.append((time.perf_counter() - t0) * 1000)
+    return {"spaces": spaces, "p50_ms": harness.median(times), "p99_ms": percentile(times, 99)}
+
+
+def scenario_deploy(args, tmp: Path) -> dict:
+    blob = os.urandom(3 << 20)
+
+    def source(n: int) -> bytes:
+        return f"def handle(request):\n    return {{'v': {n}}}\n".encode()
+
+    uploads = {  # kind -> (space, upload of version n)
+        ".py": ("bench/py", lambda n: ("v.py", source(n))),
+        "3 MB tar": (
+            "bench/tar",
+            lambda n: ("v.tar", tar_of(None, {"main.py": source(n), "weights.bin": blob})),
+        ),
+    }
+    results = {}
+    with polyserve(args.workers, tmp / "deploy") as host:
+        for kind, (space, upload) in uploads.items():
+            times, stale, calls = [], 0, 0
+            for n in range(1, args.deploys + 1):
+                filename, content = upload(n)
+                t0 = time.perf_counter()
+                deploy(host.url, space, filename, content)
+                times.append((time.perf_counter() - t0) * 1000)
+                for _ in range(4 * args.workers):  # fresh connections reach every worker
+                    got = httpx2.get(
+                        host.url + f"/s/{space}/", headers={"Connection": "close"}
+                    ).json()
+                    calls += 1
+                    stale += got != {"v": n}
+            results[kind] = {
+                "deploys": len(times),
+                "p50_ms": harness.median(times),
+                "p99_ms": percentile(times, 99),
+                "calls_after_200": calls,
+                "stale": stale,
+            }
+    met = all(r["p50_ms"] <= 300 and r["stale"] == 0 for r in results.values())
+    return {
+        "a": "deploy -> 200, then calls on every worker",
+        "b": "-",
+        "goal": "p50 <= 300 ms, 0 stale answers after the 200",
+        "met": met,
+        **results,
+    }
+
+
+def scenario_metering(args, tmp: Path) -> dict:
+    result = run_script("meter_bench.py", "--rounds", str(max(3, args.rounds)))
+    return {
+        "a": "meter writes per request (begin + end)",
+        "b": "the same loop without them",
+        "goal": "<= 1 us",
+        "met": result["meter_writes_ns_p50"] <= 1000,
+        **result,
+    }
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
+    "dispatch overhead": scenario_dispatch,
+    "in-process vs a model server": scenario_model_server,
+    "model in-process": scenario_model_inprocess,
+    "cold start": scenario_cold_start,
+    "density": scenario_density,
+    "deploy": scenario_deploy,
+    "scaling": scenario_scaling,
+    "metering": scenario_metering,
+}
+
+
+# -- the machine and the report ---------------------------------------------------------
+
+
+def machine() -> dict[str, object]:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    mem = int(Path("/proc/meminfo").read_text().split()[1]) // 1024 // 1024
+    wrk_version = (
+        subprocess.run([harness.wrk_path(), "-v"], capture_output=True, text=True)
+        .stdout.split("[")[0]
+        .strip()
+    )
+    from importlib.metadata import version
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "wrk": wrk_version,
+        "packages": {
+            p: version(p)
+            for p in (
+                "gunicorn",
+                "uvicorn",
+                "uvicorn-worker",
+                "starlette",
+                "onnxruntime",
+                "uvloop",
+                "httptools",
+            )
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=int, default=3, help="per wrk run")
+    # As many workers as the servers' cores (one here) for A and B alike; wrk gets the rest.
+    parser.add_argument("--workers", type=int, default=len(harness.SERVER_CPUS))
+    parser.add_argument("--cold-cycles", type=int, default=200)
+    parser.add_argument("--fresh-processes", type=int, default=20)
+    parser.add_argument("--density-spaces", type=int, default=1000)
+    parser.add_argument("--usage-spaces", type=int, default=10_000)
+    parser.add_argument("--deploys", type=int, default=20)
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(SCENARIOS),
+        help="run only these scenarios (repeatable)",
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--report", type=Path, default=REPO / "BENCHMARKS.md")
+    args = parser.parse_args()
+    harness.wrk_path()  # says how to install wrk before anything starts
+    date = datetime.date.today().isoformat()
+    results = {"date": date, "machine": machine(), "command": " ".join(sys.argv), "scenarios": {}}
+    with tempfile.TemporaryDirectory(prefix="polyserve-bench-") as tmp:
+        for name, scenario in SCENARIOS.items():
+            if args.only and name not in args.only:
+                continue
+            print(f"-- {name}", file=sys.stderr, flush=True)
+            results["scenarios"][name] = scenario(args, Path(tmp))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{date}.json").write_text(json.dumps(results, indent=1) + "\n")
+    import report
+
+    chart = report.chart(results, args.out / f"{date}.png")
+    args.report.write_text(report.markdown(results, chart, args.report.parent))
+    print(json.dumps({n: s["met"] for n, s in results["scenarios"].items()}))
+
+
+if __name__ == "__main__":
+    main()
