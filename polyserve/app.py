@@ -47,7 +47,6 @@ class Host:
         self.clock = clock
         self.auth = Auth(settings.deploy_token, settings.tokens_file)
         self.deadlines = Deadlines(settings.request_timeout)
-        self.started = time.time()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -132,10 +131,6 @@ class Host:
 
         if imported.kind == "app":
             scope["state"] = imported.state.copy()  # lifespan state, shallow-copied per ASGI
-        # The space must see what it would under `uvicorn --root-path /s/owner/name`: the
-        # host's router and app root would make its url_for look up the host's routes.
-        scope.pop("router", None)
-        scope.pop("app_root_path", None)
         timeout = self.settings.request_timeout
         task = self.deadlines.enter()
         try:
@@ -205,10 +200,7 @@ class Host:
             number = await anyio.to_thread.run_sync(self._publish, space, staged, checked)
         finally:
             self.store.discard(staged)  # after a publish the directory has moved: a no-op
-        # Every worker reads the generation word per request, so the contract holds from
-        # here on; the signal only makes workers swap before their next request.
-        self.control.announce()
-        self.registry.refresh()
+        self._announce()
         return JSONResponse(
             {
                 "space": space,
@@ -247,9 +239,15 @@ class Host:
 
         if not await anyio.to_thread.run_sync(locked):
             raise StoreError(404, f"space {space} is not deployed", space=space)
+        return space, self._announce()
+
+    def _announce(self) -> int:
+        """After a change: signal the other workers, and refresh this one. Every request
+        reads the generation word, so the contract already holds; the signal only makes
+        workers act before their next request. Returns how many were signalled."""
         signalled = self.control.announce()
         self.registry.refresh()
-        return space, signalled
+        return signalled
 
     def _undeploy(self, space: str) -> bool:
         slot = self.store.delete(space)

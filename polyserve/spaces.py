@@ -31,7 +31,6 @@ class Active:
     slot: int
     generation: int  # the space's generation word when this was found current
     release: int  # the space's release word when this was loaded
-    loaded_at: float
     last_used: float
     inflight: int = 0
     retired: bool = False
@@ -144,9 +143,7 @@ class Registry:
         self.meter.loaded(slot, started_us, rss_bytes() - rss_before)
         self._held[space] = self._held.get(space, 0) + 1
         now = self.clock()
-        active = Active(
-            imported, version, slot, generation, release, loaded_at=started, last_used=now
-        )
+        active = Active(imported, version, slot, generation, release, last_used=now)
         # The switch: from here on new requests get the new version.
         self.active[space] = active
         if current is not None:
