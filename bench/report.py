@@ -80,7 +80,8 @@ def markdown(results: dict, chart_path: Path, base: Path) -> str:
         + ", ".join(f"{k} {v}" for k, v in m["packages"].items())
         + ".",
         "",
-        f"**Command:** `{results['command']}`. Load: `wrk -t 1 -c 1` for latency and"
+        f"**Commands:** {', '.join(f'`{c}`' for c in results['commands'])}. Load:"
+        " `wrk -t 1 -c 1` for latency and"
         " `-c 32` for throughput, over loopback. On a 2-core machine the servers of the"
         " A/B scenarios are pinned to one core and wrk to the other (`taskset`), with one"
         " worker on each side; the scaling scenario uses both cores and shares them with wrk.",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2
@@ -249,3 +250,35 @@ def test_a_release_drops_the_space_in_every_worker(host):
         )
 
     until(nobody_holds_it, what="both workers to release the space")
+
+
+TAGGED = """
+import helpers
+TAG = {tag!r}
+def handle(request):
+    return {{"main": TAG, "helpers": helpers.TAG}}
+"""
+
+
+def test_two_deploys_of_one_space_at_once_one_wins_whole(host):
+    """Concurrent deploys serialize: every answer after both 200s comes from one upload
+    whole (its main.py and its helpers.py), the one published last."""
+    for round_ in range(4):
+        tars = {
+            tag: make_tar({"main.py": TAGGED.format(tag=tag), "helpers.py": f"TAG = {tag!r}\n"})
+            for tag in (f"r{round_}-a", f"r{round_}-b")
+        }
+        with ThreadPoolExecutor(len(tars)) as pool:
+            replies = dict(
+                zip(
+                    tars,
+                    pool.map(lambda tar: host.deploy("t/race", tar, "race.tar"), tars.values()),
+                    strict=True,
+                )
+            )
+        assert {r.status_code for r in replies.values()} == {200}
+        versions = {tag: r.json()["version"] for tag, r in replies.items()}
+        assert len(set(versions.values())) == 2, "each deploy got its own version"
+        winner = max(versions, key=versions.get)
+        answers = [host.get("/s/t/race/").json() for _ in range(20)]
+        assert answers == [{"main": winner, "helpers": winner}] * 20
