@@ -1,45 +1,49 @@
-# polyserve: `make run` starts the host, `make test` runs the tests. Both install what
-# is missing into .venv first.
+# polyserve: `make run` starts the host, `make test` runs the tests. Each installs what it
+# needs into .venv first: the host's dependencies for run, the dev extra for test/bench.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 
-.PHONY: install run build examples test lint bench settings-table clean
+.PHONY: run build examples test lint bench settings-table clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+
+# One stamp per extra: editing pyproject.toml reinstalls.
+$(VENV)/.installed-%: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[$*]'
 	touch $@
 
-install: $(STAMP)
+$(VENV)/.installed-host: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	touch $@
 
-run: install
+run: $(VENV)/.installed-host
 	$(BIN)/gunicorn -c gunicorn.conf.py
 
 # The seed's `make build`: build what the examples need, then start the host.
 build: examples run
 
-examples: install
+examples: $(VENV)/.installed-build
 	$(BIN)/python examples/python-onnx-tiny/train.py
 
-test: install
+test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
-# Benchmarks never run in `make test`; tests/test_bench.py only checks they run. Writes
-# bench/results/<date>.json, its chart, and BENCHMARKS.md (about 5 minutes).
-bench: install
-	@command -v wrk >/dev/null || { echo "wrk is missing: install it with 'apt-get install wrk' (Debian/Ubuntu) or your package manager"; exit 1; }
-	$(BIN)/python bench/run.py
-
-lint: install
+lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-settings-table: install
+# Benchmarks never run in `make test`; tests/test_bench.py only checks they run. Writes
+# bench/results/<date>.json, its chart, and BENCHMARKS.md (about 5 minutes).
+bench: $(VENV)/.installed-dev
+	@command -v wrk >/dev/null || { echo "wrk is missing: install it with 'apt-get install wrk' (Debian/Ubuntu) or your package manager"; exit 1; }
+	$(BIN)/python bench/run.py
+
+settings-table: $(VENV)/.installed-host
 	$(BIN)/python -m polyserve.settings --readme
 
 clean:
