@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -169,3 +170,33 @@ def test_max_requests_recycles_reuse_rows_and_leak_no_segment(host_factory):
         lambda: host.get("/_polyserve/usage").json()["host"]["workers"] == 2,
         what="recycled workers' rows to be reused",
     )
+
+
+MALFORMED = [
+    b"GARBAGE\r\n\r\n",
+    b"GET / HTTP/9.9\r\nHost: x\r\n\r\n",
+    b"GET /s/a/b/ HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"GET /s/a/b/ HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+    b"POST /_polyserve/deploy HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n",
+    b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
+    b"GET /s/\x00/\xff/ HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"\r\n",
+]
+
+
+def test_malformed_http_gets_no_5xx_and_kills_no_worker(host_factory):
+    """In the spirit of gunicorn's malformed-request fixtures, against the whole host."""
+    host = host_factory()
+    workers = host.worker_pids()
+    for raw in MALFORMED:
+        with socket.create_connection(("127.0.0.1", host.port), timeout=10) as conn:
+            conn.sendall(raw)
+            conn.shutdown(socket.SHUT_WR)
+            answer = b""
+            with contextlib.suppress(ConnectionResetError, TimeoutError):
+                while chunk := conn.recv(65536):
+                    answer += chunk
+        status = answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/") else b"closed"
+        assert not status.startswith(b"5"), (raw[:60], answer[:200])
+    assert host.get("/_polyserve/health").status_code == 200
+    assert host.worker_pids() == workers
