@@ -36,6 +36,22 @@ _WRITE_ERRORS = {
     "403": _error("this client or token may not write this space"),
 }
 
+
+def _space_write(summary: str, done: str) -> dict[str, Any]:
+    """A write to one deployed space (Host._change): delete and release answer alike."""
+    return {
+        "summary": summary,
+        "security": [{}, {"bearer": []}],
+        "parameters": _SPACE_PARAMS,
+        "responses": {
+            "200": _json(done, {"type": "object", "required": ["space", done]}),
+            **_WRITE_ERRORS,
+            "404": _error("the space is not deployed"),
+            "422": _error("the space name is not valid"),
+        },
+    }
+
+
 SPEC: dict[str, Any] = {
     "openapi": "3.0.3",
     "info": {"title": "polyserve control plane", "version": __version__},
@@ -80,30 +96,12 @@ SPEC: dict[str, Any] = {
             }
         },
         "/_polyserve/spaces/{owner}/{name}": {
-            "delete": {
-                "summary": "Undeploy a space",
-                "security": [{}, {"bearer": []}],
-                "parameters": _SPACE_PARAMS,
-                "responses": {
-                    "200": _json("deleted", {"type": "object", "required": ["space", "deleted"]}),
-                    **_WRITE_ERRORS,
-                    "404": _error("the space is not deployed"),
-                    "422": _error("the space name is not valid"),
-                },
-            }
+            "delete": _space_write("Undeploy a space", "deleted"),
         },
         "/_polyserve/spaces/{owner}/{name}/release": {
-            "post": {
-                "summary": "Release the space in every worker now; the next call imports it",
-                "security": [{}, {"bearer": []}],
-                "parameters": _SPACE_PARAMS,
-                "responses": {
-                    "200": _json("released", {"type": "object", "required": ["space", "released"]}),
-                    **_WRITE_ERRORS,
-                    "404": _error("the space is not deployed"),
-                    "422": _error("the space name is not valid"),
-                },
-            }
+            "post": _space_write(
+                "Release the space in every worker now; the next call imports it", "released"
+            ),
         },
         "/_polyserve/usage": {
             "get": {
