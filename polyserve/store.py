@@ -152,7 +152,7 @@ class Store:
             if slot is None:
                 slot = self._allocate_slot(space)
             versions.mkdir(parents=True, exist_ok=True)
-            number = _read_int(sdir / "last", 0) + 1
+            number = _read_int(sdir / "last") + 1
             meta = {
                 **meta,
                 "space": space,
@@ -387,11 +387,12 @@ def _find_entry(root: Path) -> str:
     )
 
 
-def _read_int(path: Path, default: int | None) -> int | None:
+def _read_int(path: Path) -> int:
+    """A number kept in a file; 0 when the file does not exist yet."""
     try:
         return int(path.read_text())
     except FileNotFoundError:
-        return default
+        return 0
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
