@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run build examples test lint bench settings-table clean
+.PHONY: run build examples test lint bench settings-table token clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ bench: $(VENV)/.installed-dev
 
 settings-table: $(VENV)/.installed-host
 	$(BIN)/python -m polyserve.settings --readme
+
+# A fresh admin token (give it to deployers) and the POLYSERVE_DEPLOY_TOKEN_SHA256=... line
+# to start the host with: the host then never holds the token itself.
+token: $(VENV)/.installed-host
+	@$(BIN)/python -m polyserve.auth admin-token
 
 clean:
 	rm -rf $(VENV) polyserve-data .pytest_cache .ruff_cache *.egg-info

@@ -22,6 +22,7 @@ timeout = _s.worker_timeout
 control_socket = _os.path.join(_os.path.abspath(_s.data_dir), "gunicorn.ctl")
 
 on_starting = _hooks.on_starting
+when_ready = _hooks.when_ready
 pre_fork = _hooks.pre_fork
 post_fork = _hooks.post_fork
 child_exit = _hooks.child_exit

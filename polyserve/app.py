@@ -9,6 +9,7 @@ import os
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 import anyio.to_thread
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from polyserve import hooks, loader, openapi, prometheus
 from polyserve import meter as meter_mod
@@ -33,6 +35,7 @@ from polyserve.store import Staged, Store, StoreError
 from polyserve.validate import validate
 
 log = logging.getLogger("polyserve")
+HOST_THREADS = 8  # concurrent imports, stagings and publishes per worker
 
 
 class _TooLarge(Exception):
@@ -45,7 +48,7 @@ class Host:
     def __init__(self, settings: settings_mod.Settings, clock: Callable[[], float]) -> None:
         self.settings = settings
         self.clock = clock
-        self.auth = Auth(settings.deploy_token, settings.tokens_file)
+        self.auth = Auth(settings.deploy_token_sha256, settings.tokens_file)
         self.deadlines = Deadlines(settings.request_timeout)
 
     @contextlib.asynccontextmanager
@@ -56,8 +59,19 @@ class Host:
         self.table, row = hooks.inherited() or (Table.anonymous(1, s.max_spaces, CELLS), 0)
         self.control = Control(self.table, row)
         self.meter = Meter(self.table, row)
+        # Host work (imports, staging, publishing) gets threads of its own, which no
+        # tenant can exhaust: sync handle()s have per-space limiters, and tenants' ASGI
+        # apps share anyio's default one.
+        self.threads = anyio.CapacityLimiter(HOST_THREADS)
         self.registry = Registry(
-            self.store, self.control, self.meter, s.idle_ttl, s.import_timeout, clock=self.clock
+            self.store,
+            self.control,
+            self.meter,
+            s.idle_ttl,
+            s.import_timeout,
+            clock=self.clock,
+            space_threads=s.space_threads,
+            host_limiter=self.threads,
         )
         # Off the main thread (an in-process test client) there is no signal handler:
         # requests still read the generation word, which alone keeps the contract.
@@ -65,7 +79,7 @@ class Host:
             asyncio.get_running_loop().add_signal_handler(CONTROL_SIGNAL, self.registry.refresh)
         # anyio sets up its worker threads lazily (about 19 ms here): pay that at boot,
         # not in the first cold start, whose time and memory are billed to a space.
-        await anyio.to_thread.run_sync(lambda: None)
+        await anyio.to_thread.run_sync(lambda: None, limiter=self.threads)
         self.control.publish_pid()
         reaper = asyncio.create_task(self.registry.reaper())
         watchdog = asyncio.create_task(self.deadlines.watch())
@@ -83,29 +97,41 @@ class Host:
         params = scope["path_params"]
         space = f"{params['owner']}/{params['name']}"
         started = self.meter.begin()  # busy time includes a cold start's import
-        try:
-            active = await self.registry.acquire(space)
-        except NotDeployed:
-            self.meter.end(None, started, error=False)
-            body = {"error": f"space {space} is not deployed", "space": space}
-            return await _answer(scope, receive, send, 404, body)
-        except loader.LoadError as exc:
-            self.meter.end(self.registry.slot_of(space), started, error=True)
-            return await _answer(scope, receive, send, 500, {**exc.details, "space": space})
+        slot: int | None = None  # None: no space answered, so no request is counted
         metered = False
 
         def count(status: int) -> None:
             nonlocal metered
             if not metered:
                 metered = True
-                self.meter.end(active.slot, started, error=status >= 500)
+                self.meter.end(slot, started, error=status >= 500)
 
-        status = 500  # if _run raises mid-response
+        status = 500  # if anything below raises mid-way
         try:
-            status = await self._run(active.imported, space, scope, receive, send, count)
+            try:
+                active = await self.registry.acquire(space)
+            except NotDeployed:
+                status = 404
+                body = {"error": f"space {space} is not deployed", "space": space}
+                return await _answer(scope, receive, send, 404, body)
+            except Exception as exc:
+                slot = self.registry.slot_of(space)
+                if isinstance(exc, loader.LoadError):
+                    body = {**exc.details, "space": space}
+                else:  # a bug of ours, or the data dir changed under us: still JSON
+                    log.exception("loading %s failed", space)
+                    body = {"error": f"space {space} could not be loaded; see the host log"}
+                return await _answer(scope, receive, send, 500, {**body, "space": space})
+            slot = active.slot
+            try:
+                status = await self._run(active.imported, space, scope, receive, send, count)
+            finally:
+                # Counted before the lease ends: once the last lease on a deleted space's
+                # version ends, its slot may be handed to another space.
+                count(status)
+                self.registry.release(active)
         finally:
-            self.registry.release(active)
-            count(status)
+            count(status)  # a cancelled acquire, a client gone: in flight drops all the same
 
     async def _run(
         self,
@@ -123,6 +149,10 @@ class Host:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                # The deadline bounds the wait for an answer: a started stream lives on.
+                self.deadlines.leave(task)
+            elif message["type"] == "websocket.accept":
+                self.deadlines.leave(task)
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 # Counted before the last bytes leave: a worker killed after its client
                 # has the answer must not have lost the count (counted >= served).
@@ -187,6 +217,7 @@ class Host:
                     module.file,
                     module.filename or "",
                     self.settings.max_unpacked_mb << 20,
+                    limiter=self.threads,
                 )
         except _TooLarge:
             raise _too_large(limit) from None
@@ -196,8 +227,11 @@ class Host:
                 staged.entry,
                 self.settings.import_timeout,
                 self.settings.import_memory_mb,
+                env=settings_mod.scrubbed_environ(),
             )
-            number = await anyio.to_thread.run_sync(self._publish, space, staged, checked)
+            number = await anyio.to_thread.run_sync(
+                self._publish, space, staged, checked, limiter=self.threads
+            )
         finally:
             self.store.discard(staged)  # after a publish the directory has moved: a no-op
         self._announce()
@@ -214,8 +248,11 @@ class Host:
 
     def _publish(self, space: str, staged: Staged, checked: dict[str, object]) -> int:
         with self.store.locked():
-            slot, number = self.store.publish(space, staged, checked)
+            slot, number = self.store.publish(
+                space, staged, checked, reclaim=partial(meter_mod.reclaimable, self.table)
+            )
             self.control.bump(slot)
+            self.store.prune(space, self.control.oldest_held(slot))
         return number
 
     async def delete(self, request: Request) -> Response:
@@ -237,7 +274,7 @@ class Host:
             with self.store.locked():
                 return change(space)
 
-        if not await anyio.to_thread.run_sync(locked):
+        if not await anyio.to_thread.run_sync(locked, limiter=self.threads):
             raise StoreError(404, f"space {space} is not deployed", space=space)
         return space, self._announce()
 
@@ -253,6 +290,7 @@ class Host:
         slot = self.store.delete(space)
         if slot is not None:
             self.control.bump(slot)
+            self.store.prune(space, self.control.oldest_held(slot))
         return slot is not None
 
     def _release(self, space: str) -> bool:
@@ -269,14 +307,15 @@ class Host:
         return JSONResponse(openapi.SPEC)
 
     async def list_spaces(self, request: Request) -> Response:
-        return JSONResponse({"spaces": await anyio.to_thread.run_sync(self.store.spaces)})
+        spaces = await anyio.to_thread.run_sync(self.store.spaces, limiter=self.threads)
+        return JSONResponse({"spaces": spaces})
 
     async def usage(self, request: Request) -> Response:
         # orjson: with 10,000 spaces the stdlib's encoder took 19 ms of the answer, orjson 2.
         return Response(orjson.dumps(self._usage()), media_type="application/json")
 
     def _usage(self) -> dict[str, Any]:
-        return meter_mod.usage(self.table, self.store.slot_names(), meter_mod.now_us())
+        return meter_mod.usage(self.table, self.store.ledger(), meter_mod.now_us())
 
     async def metrics(self, request: Request) -> Response:
         return Response(prometheus.exposition(self._usage()), media_type=prometheus.CONTENT_TYPE)
@@ -339,6 +378,14 @@ class HostApp:
         self.host = host
         self.control = control
         self.state = control.state
+        self._dispatch: Any = host.dispatch
+
+    def trust_forwarded(self, trusted_hosts: list[str] | str) -> None:
+        """Give spaces the client that X-Forwarded-For names, from these proxies only.
+        The worker calls this instead of letting uvicorn rewrite every scope, so the
+        control plane always sees the socket's peer: its loopback trust must never
+        follow a header."""
+        self._dispatch = ProxyHeadersMiddleware(self.host.dispatch, trusted_hosts)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket"):
@@ -350,7 +397,7 @@ class HostApp:
                     return await _answer_redirect(scope, receive, send)
                 scope["path_params"] = {"owner": owner, "name": name}
                 scope["root_path"] = f"{root}/s/{owner}/{name}"
-                return await self.host.dispatch(scope, receive, send)
+                return await self._dispatch(scope, receive, send)
         await self.control(scope, receive, send)
 
 

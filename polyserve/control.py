@@ -40,6 +40,18 @@ class Control:
         self.table.releases[space_slot] += 1
         self.bump(space_slot)
 
+    def hold(self, space_slot: int, version: int) -> None:
+        """Say which is the oldest version of a space this worker holds or is loading
+        (0: none), so that nobody prunes it or hands the slot to another space."""
+        if self.worker_slot is not None:
+            self.table.words[self.table.held_index(self.worker_slot, space_slot)] = version
+
+    def oldest_held(self, space_slot: int) -> int | None:
+        """The oldest version of the space any worker holds, or None when none does."""
+        held = self.table.held_array()[:, space_slot]
+        held = held[held > 0]
+        return int(held.min()) if held.size else None
+
     def publish_pid(self) -> None:
         """Make this worker reachable by announce(); call once the handler is installed."""
         if self.worker_slot is not None:

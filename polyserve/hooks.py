@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import logging
@@ -12,7 +13,9 @@ import threading
 import time
 from typing import Any
 
-from polyserve import meter
+import numpy as np
+
+from polyserve import auth, meter
 from polyserve import settings as settings_mod
 from polyserve.shm import H_STARTED, Table, segment_name
 from polyserve.store import Store
@@ -20,24 +23,176 @@ from polyserve.store import Store
 EXIT_DATA_DIR_BUSY = 4  # named exit code: another master serves this data directory
 CHECKPOINT = "usage.json"
 _PR_SET_PDEATHSIG = 1
+_SHM_DIR = "/dev/shm"  # where Linux keeps the POSIX shared memory segments, by name
+_KILLED_WAIT_S = 5.0  # for a SIGKILLed old worker to be gone (see _Master.drain)
+
+
+class _Leftover:
+    """The segment of a master killed with -9, while the workers it left drain into it.
+
+    The kernel sent them SIGTERM (PR_SET_PDEATHSIG): they finish the requests they hold
+    and fold their residency, writing into this segment after the new master has read
+    it. Its name is unlinked at once, so no later master recovers it a second time, but
+    the mapping is kept; once every one of those workers is gone, what they counted
+    after `taken` is added to the new table's base row, once (see _add_late_counts).
+    """
+
+    def __init__(self, table: Table, name: str, taken: np.ndarray) -> None:
+        self.table = table
+        self.path = os.path.join(_SHM_DIR, name)
+        self.inode = os.stat(self.path).st_ino
+        self.taken = taken  # meter.leftover_totals(table) when this master started
+        self.workers: dict[int, tuple[int, int]] = {}  # pid -> (row, start time)
+        self._seen: set[int] = set()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def drained(self) -> bool:
+        """Whether no worker of the dead master is left to write into the segment.
+
+        A pid in its rows is taken for one of them when the process maps this segment
+        (by inode), is not a child of this master, and keeps the start time it had then:
+        not a process that reused the pid of a worker long gone, nor one that reuses it
+        later. Its rows are read each time: a worker that was booting publishes late.
+        """
+        for row, pid in enumerate(self.table.pids.tolist()):
+            if pid and pid not in self._seen:
+                self._seen.add(pid)
+                found = _process(pid)
+                if found and found[0] != os.getpid() and _maps(pid, self.path, self.inode):
+                    self.workers[pid] = (row, found[1])
+        self.workers = {
+            pid: (row, start)
+            for pid, (row, start) in self.workers.items()
+            if (found := _process(pid)) is not None and found[1] == start
+        }
+        return not self.workers
+
+
+def _process(pid: int) -> tuple[int, int] | None:
+    """A live process's parent pid and start time (clock ticks after boot); None once it
+    has exited, a zombie included (an orphan's reaper may be slow to collect it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()  # after the name, which may hold spaces
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def _maps(pid: int, path: str, inode: int) -> bool:
+    """Whether the process has the segment (that file, by inode) mapped."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            maps = f.read()
+    except OSError:  # gone, or another user's: no worker of ours
+        return False
+    ino, name = str(inode).encode(), path.encode()
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset dev inode path
+        if len(fields) == 6 and fields[4] == ino and fields[5].startswith(name):
+            return True
+    return False
+
+
+def _add_late_counts(table: Table, leftover: Table, taken: np.ndarray) -> None:
+    """Add to the base row what the dead master's workers counted after `taken` was read
+    (= meter.leftover_totals(leftover) then). Call once they are all gone.
+
+    leftover_totals counts a stretch still open (since S) up to the dead master's last
+    checkpoint A, never past it; A does not move, the dead master writes nothing more.
+    With R the residency already folded into RESIDENT_US, a stretch open at `taken`:
+    - was counted then as R + max(A - S, 0);
+    - its worker left gracefully at E (> A: it outlived the dead master) and folded it:
+      RESIDENT_US = R + E - S, LOADED_SINCE = 0, now counted as R + E - S. The delta,
+      E - max(A, S), is the part not billed yet: nothing twice, nothing lost;
+    - its worker ended without folding (kill -9): still R + max(A - S, 0), delta 0,
+      as at start: never billed past what is known;
+    - its worker was killed by this master's on_exit, which folded it at that time K:
+      delta K - max(A, S), as for a graceful exit.
+    A stretch opened and folded after `taken` (a cold start in a drained request) is
+    wholly in the delta; one folded before `taken` is in both, delta 0. The other
+    TOTALS only grow. So no delta is negative, and each stretch is billed once.
+    """
+    late = meter.leftover_totals(leftover) - taken
+    slots = min(table.space_slots, len(late))
+    base = table.cell_array()[table.base_row]
+    for c in meter.TOTALS:
+        base[:slots, c] += late[:slots, c]
 
 
 class _Master:
     """What the master holds for its lifetime; forked workers inherit it with the memory."""
 
-    def __init__(self, s: settings_mod.Settings, store: Store, table: Table) -> None:
+    def __init__(
+        self,
+        s: settings_mod.Settings,
+        store: Store,
+        table: Table,
+        leftover: _Leftover | None = None,
+        log: Any = None,
+    ) -> None:
         self.settings = s
         self.store = store
         self.table = table
+        self.leftover = leftover  # until its workers are gone and their counts folded
+        self.log = log or logging.getLogger("polyserve")
         self.checkpoint_path = store.root / CHECKPOINT
         self.lock = threading.Lock()  # checkpoint reads vs folding a dead worker's row
         self.stop = threading.Event()
+        self.thread: threading.Thread | None = None  # the checkpoint thread
 
     def checkpoint(self) -> None:
+        """Write the totals; first fold in the late counts of a dead master's workers,
+        once they are all gone. A checkpoint written before that fold holds everything
+        but those late counts (the base row already carries what was taken at start):
+        a crash before the fold loses them, nothing else."""
         with self.lock:
-            meter.checkpoint(
-                self.table, self.store.slot_names(), self.checkpoint_path, meter.now_us()
+            if self.leftover is not None and self.leftover.drained():
+                leftover, self.leftover = self.leftover, None  # folded at most once
+                _add_late_counts(self.table, leftover.table, leftover.taken)
+                leftover.table.close()
+                self.log.info("counted what the workers of the master that died answered since")
+            meter.checkpoint(self.table, self.store.ledger(), self.checkpoint_path, meter.now_us())
+
+    def drain(self, timeout: float) -> None:
+        """At exit: give the dead master's workers `timeout` s more, then kill them, as
+        gunicorn does its own at a graceful stop; a request they had not answered is
+        not counted, and their open residency ends when they are killed."""
+        leftover = self.leftover
+        if leftover is None:
+            return
+        deadline = time.monotonic() + timeout
+        while not leftover.drained() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed = dict(leftover.workers)
+        for pid, (_, start) in killed.items():
+            if (found := _process(pid)) is not None and found[1] == start:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + _KILLED_WAIT_S
+        while not leftover.drained() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if killed:
+            self.log.warning(
+                "killed workers %s of the master that died: still busy after %s s",
+                sorted(killed),
+                timeout,
             )
+        if leftover.workers:  # not gone after SIGKILL (uninterruptible sleep)
+            self.log.error(
+                "workers %s of the master that died did not exit: counts they make from now"
+                " on are lost",
+                sorted(leftover.workers),
+            )
+            leftover.workers.clear()
+        now = meter.now_us()
+        with self.lock:
+            for row, _ in killed.values():
+                meter.fold_row(leftover.table, row, now)  # no writer left in these rows
 
     def checkpoints(self) -> None:
         """The checkpoint thread: a master killed with -9 loses at most one interval."""
@@ -49,7 +204,8 @@ class _Master:
 
 
 _master: _Master | None = None
-_lock_file: Any = None
+_starting: tuple[settings_mod.Settings, Store] | None = None  # on_starting -> when_ready
+_lock_file: Any = None  # host.lock, flock'd: the master's alone (post_fork closes it)
 _worker_slot: int | None = None  # set in each worker by post_fork
 
 
@@ -66,8 +222,10 @@ def worker_slots(workers: int) -> int:
 
 
 def on_starting(server: Any) -> None:
-    global _master, _lock_file
+    """Check the settings and lock the data directory; create nothing (see when_ready)."""
+    global _starting, _lock_file
     s = settings_mod.load()
+    auth.on_starting(server, s)  # a bad tokens file stops the host: EXIT_BAD_TOKENS_FILE
     store = Store(s.data_dir, s.max_spaces)
     _lock_file = open(store.root / "host.lock", "a")  # noqa: SIM115 - held for the master's life
     try:
@@ -78,26 +236,54 @@ def on_starting(server: Any) -> None:
             store.root,
         )
         sys.exit(EXIT_DATA_DIR_BUSY)
-    _master = _Master(s, store, _create_table(server, s, store))
-    threading.Thread(target=_master.checkpoints, name="usage-checkpoint", daemon=True).start()
+    _starting = (s, store)
 
 
-def _create_table(server: Any, s: settings_mod.Settings, store: Store) -> Table:
+def when_ready(server: Any) -> None:
+    """The listeners are bound and no worker is forked yet: create the table now.
+
+    Not in on_starting, which runs before gunicorn binds: a start that fails there (a
+    port in use makes gunicorn exit without calling on_exit) or in any check before this
+    point has then created nothing in /dev/shm, and has left a killed master's segment
+    untouched for the next start to recover. Creating it here rather than undoing it at
+    exit needs no cleanup that forked workers would inherit (atexit, guarded by pid).
+    gunicorn calls when_ready once per master, last in Arbiter.start: a HUP reloads the
+    configuration without it, and the first pre_fork comes after it.
+    """
+    global _master
+    assert _starting is not None
+    s, store = _starting
+    _master = _Master(s, store, *_create_table(server, s, store), log=server.log)
+    try:
+        _master.thread = threading.Thread(
+            target=_master.checkpoints, name="usage-checkpoint", daemon=True
+        )
+        _master.thread.start()
+    except BaseException:
+        on_exit(server)  # gunicorn calls no on_exit for a failed start: checkpoint, unlink
+        raise
+
+
+def _create_table(
+    server: Any, s: settings_mod.Settings, store: Store
+) -> tuple[Table, _Leftover | None]:
     """A fresh table whose base row carries the usage of every earlier run: from the
-    segment a killed master left (exact), else from the last checkpoint."""
+    segment a killed master left (exact), else from the last checkpoint. That segment
+    comes along while the workers it left still answer (see _Leftover)."""
     name = segment_name(str(store.root))
-    leftover = Table.attach(name)
-    if leftover is not None:
-        earlier = meter.leftover_totals(leftover)
-        leftover.close(unlink=True)
+    attached = Table.attach(name)
+    leftover = None
+    if attached is not None:
+        earlier = meter.leftover_totals(attached)
+        leftover = _Leftover(attached, name, earlier)  # unlinks its name
         server.log.warning("recovered usage from the segment of a master that died")
     else:
-        earlier = meter.checkpoint_totals(store.root / CHECKPOINT, store.slot_names())
+        earlier = meter.checkpoint_totals(store.root / CHECKPOINT, store.ledger())
     table = Table.create(name, worker_slots(s.workers), s.max_spaces, meter.CELLS)
     table.set_header(H_STARTED, time.time_ns() // 1000)
     if earlier is not None:
         meter.set_base(table, earlier)
-    return table
+    return table, leftover
 
 
 def pre_fork(server: Any, worker: Any) -> None:
@@ -117,7 +303,22 @@ def pre_fork(server: Any, worker: Any) -> None:
 
 
 def post_fork(server: Any, worker: Any) -> None:
-    global _worker_slot
+    global _worker_slot, _lock_file
+    # The data-dir lock is the master's alone: a worker that a master killed with -9
+    # leaves draining must not refuse the restart, nor must anything tenant code forks.
+    # flock belongs to the open file description, which fork shares, so closing this
+    # copy releases nothing while the master holds its own (never LOCK_UN here: that
+    # would unlock the master's). It goes before the app is loaded, so no tenant fork
+    # inherits it; exec'd children never do (open() makes non-inheritable fds).
+    if _lock_file is not None:
+        _lock_file.close()
+        _lock_file = None
+    # Nor is a killed master's segment a worker's: drop the mapping fork copied, so that
+    # only the dead master's own workers hold it (_Leftover.drained looks for them).
+    if _master is not None and _master.leftover is not None:
+        with contextlib.suppress(BufferError):  # a view the fork copied: it stays mapped
+            _master.leftover.table.close()
+        _master.leftover = None
     if worker.polyserve_slot is None:
         sys.exit(0)
     _worker_slot = worker.polyserve_slot
@@ -145,9 +346,13 @@ def child_exit(server: Any, worker: Any) -> None:
 
 
 def on_exit(server: Any) -> None:
-    """After every worker has exited: the final checkpoint, then unlink the segment."""
+    """After every worker has exited (and a killed master's, see _Master.drain): the
+    final checkpoint, then unlink the segment."""
     if _master is not None:
         _master.stop.set()
+        if _master.thread is not None:
+            _master.thread.join()  # its checkpoint, if one is under way, comes first
+        _master.drain(server.cfg.graceful_timeout)
         _master.checkpoint()
         _master.table.close(unlink=True)
     if _lock_file is not None:

@@ -28,7 +28,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
+import anyio
+import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -39,6 +40,8 @@ ASGIApp = Callable[
 
 log = logging.getLogger("polyserve")
 _real_import = builtins.__import__
+MESSAGE_MAX = 2000
+DEFAULT_THREADS = 8  # POLYSERVE_SPACE_THREADS
 _counter = itertools.count(1)
 _counter_lock = threading.Lock()
 
@@ -47,6 +50,8 @@ class LoadError(Exception):
     """A version that cannot be imported or started; details say where and why."""
 
     def __init__(self, message: str, **details: object) -> None:
+        if len(message) > MESSAGE_MAX:  # an exception's text is the tenant's: bound it
+            message = message[:MESSAGE_MAX] + f"… ({len(message)} characters)"
         super().__init__(message)
         self.details = {"error": message, **details}
 
@@ -141,12 +146,16 @@ class Imported:
     module: Any
     kind: str  # "app" or "handle"
     app: ASGIApp
+    root: Path  # the version's directory
     state: dict[str, Any] = field(default_factory=dict)  # the lifespan state, per ASGI
     lifespan: _Lifespan | None = None
 
 
-def import_version(space: str, version: int, root: Path, entry: str) -> Imported:
-    """Import a version's entry module under a fresh package name (thread-safe)."""
+def import_version(
+    space: str, version: int, root: Path, entry: str, threads: int = DEFAULT_THREADS
+) -> Imported:
+    """Import a version's entry module under a fresh package name (thread-safe); a sync
+    handle() gets `threads` worker threads at most."""
     with _counter_lock:
         n = next(_counter)
     package = "_ps_" + re.sub(r"\W", "_", space.replace("/", "__")) + f"__v{version}_{n}"
@@ -154,17 +163,17 @@ def import_version(space: str, version: int, root: Path, entry: str) -> Imported
     _finder.packages[package] = (root, _space_builtins(package, _top_names(root)))
     try:
         module = importlib.import_module(f"{package}.{entry.removesuffix('.py')}")
-        kind, app = _find_callable(module, entry)
+        kind, app = _find_callable(module, entry, threads)
     except LoadError:
         forget(package)
         raise
     except (Exception, SystemExit) as exc:  # sys.exit() at import is the tenant's error too
         forget(package)
         raise LoadError(**describe(exc, root)) from exc
-    return Imported(space, version, package, module, kind, app)
+    return Imported(space, version, package, module, kind, app, root)
 
 
-def _find_callable(module: Any, entry: str) -> tuple[str, ASGIApp]:
+def _find_callable(module: Any, entry: str, threads: int) -> tuple[str, ASGIApp]:
     app = getattr(module, "app", None)
     if app is not None:
         if not callable(app):
@@ -174,7 +183,7 @@ def _find_callable(module: Any, entry: str) -> tuple[str, ASGIApp]:
     if handle is not None:
         if not callable(handle):
             raise LoadError(f"{entry}: `handle` must be a function taking a request")
-        return "handle", HandleApp(handle)
+        return "handle", HandleApp(handle, threads)
     raise LoadError(
         f"{entry} defines neither `app` (an ASGI application) nor `handle(request)`:"
         " export one of them at module level",
@@ -207,19 +216,37 @@ def describe(exc: BaseException, root: Path) -> dict[str, object]:
     if file is not None and file.startswith(str(root) + os.sep):
         file = file[len(str(root)) + 1 :]
     where = f"{file}, line {line}: " if file else ""
-    return {"message": f"import failed: {where}{message}", "file": file, "line": line}
+    return {
+        "message": f"import failed: {where}{scrub_paths(message, root)}",
+        "file": file,
+        "line": line,
+    }
+
+
+_ABSOLUTE = re.compile(r"""(?<![\w.])/(?:[^\s"':,()/]+/)+""")
+
+
+def scrub_paths(text: str, root: Path) -> str:
+    """Tenant-facing text without the host's filesystem: paths in the version become
+    relative to it, and any other absolute path keeps only its last part."""
+    return _ABSOLUTE.sub("", text.replace(str(root) + os.sep, ""))
 
 
 # -- handle() as ASGI ------------------------------------------------------------------------
 
 
 class HandleApp:
-    """Adapts `handle(request)` to ASGI; a sync handle runs in the threadpool, like Starlette."""
+    """Adapts `handle(request)` to ASGI. A sync handle runs on a worker thread, like
+    Starlette's, but under a limiter of its own: a space that blocks all of its threads
+    delays its own requests, never another space's or the host's."""
 
-    def __init__(self, handle: Callable[[Request], Any]) -> None:
+    def __init__(self, handle: Callable[[Request], Any], threads: int = DEFAULT_THREADS) -> None:
         self.handle = handle
         call = getattr(handle, "__call__", None)  # noqa: B004 - async __call__ objects
         self.is_async = inspect.iscoroutinefunction(handle) or inspect.iscoroutinefunction(call)
+        self.threads = threads
+        # Made on the event loop at the first sync call: the import runs on a thread.
+        self.limiter: anyio.CapacityLimiter | None = None
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -230,7 +257,9 @@ class HandleApp:
         if self.is_async:
             result = await self.handle(request)
         else:
-            result = await run_in_threadpool(self.handle, request)
+            if self.limiter is None:
+                self.limiter = anyio.CapacityLimiter(self.threads)
+            result = await anyio.to_thread.run_sync(self.handle, request, limiter=self.limiter)
         await to_response(result)(scope, receive, send)
 
 
@@ -259,65 +288,95 @@ def to_response(result: Any) -> Response:
 
 
 class _Lifespan:
-    """Drives one app's ASGI lifespan: startup before its first request, shutdown at release."""
+    """Drives one app's ASGI lifespan the way uvicorn's `lifespan="auto"` does: an app that
+    returns, raises before `startup.complete`, or sends anything but a lifespan message
+    there simply does not support lifespan, and is served; only `startup.failed` fails."""
 
     def __init__(self, app: ASGIApp, state: dict[str, Any]) -> None:
         self.app = app
         self.state = state
         self.inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
-        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.started = asyncio.Event()  # startup answered, failed, or the app gave up
+        self.stopped = asyncio.Event()
+        self.failed: str | None = None  # the message of lifespan.startup.failed
         self.task: asyncio.Task[None] | None = None
 
-    async def _run(self) -> None:
+    async def _main(self) -> None:
         scope = {
             "type": "lifespan",
             "asgi": {"version": "3.0", "spec_version": "2.0"},
             "state": self.state,
         }
         try:
-            await self.app(scope, self.inbox.get, self.events.put)
-        except BaseException as exc:
-            await self.events.put({"type": "crashed", "exc": exc})
-            if not isinstance(exc, Exception):
-                raise
+            await self.app(scope, self.inbox.get, self._send)
+        except Exception:
+            if self.started.is_set() and self.failed is None:
+                log.exception("app lifespan raised after its startup")
+        finally:
+            self.started.set()
+            self.stopped.set()
+
+    async def _send(self, message: Any) -> None:
+        kind = message.get("type") if isinstance(message, dict) else None
+        if kind == "lifespan.startup.complete" and not self.started.is_set():
+            self.started.set()
+        elif kind == "lifespan.startup.failed" and not self.started.is_set():
+            self.failed = str(message.get("message") or "")
+            self.started.set()
+        elif kind in _SHUTDOWN_DONE and self.started.is_set() and not self.stopped.is_set():
+            self.stopped.set()
+        else:
+            # Raised into the app, as uvicorn's assertions are: an app that does not
+            # check the scope type ends its lifespan here and is served without one.
+            raise RuntimeError(f"unexpected ASGI message on the lifespan scope: {kind!r}")
 
     async def startup(self, timeout: float) -> bool:
-        """True if the app speaks lifespan and started; False if it does not do lifespan."""
-        self.task = asyncio.create_task(self._run())
+        """True if the app started with lifespan; False if it does not support it."""
+        self.task = asyncio.create_task(self._main())
         await self.inbox.put({"type": "lifespan.startup"})
-        event = await asyncio.wait_for(self.events.get(), timeout)
-        if event["type"] == "lifespan.startup.complete":
-            return True
-        if event["type"] == "crashed":
-            # Like uvicorn's lifespan="auto": an app that raises on the lifespan scope
-            # simply does not support it.
-            return False
-        raise LoadError(f"app lifespan startup failed: {event.get('message', '')}".strip())
+        try:
+            await asyncio.wait_for(self.started.wait(), timeout)
+        except TimeoutError:
+            self.task.cancel()
+            raise LoadError(f"app lifespan startup took longer than {timeout:g} s") from None
+        if self.failed is not None:
+            self.task.cancel()
+            raise LoadError(f"app lifespan startup failed: {self.failed[-_MESSAGE_TAIL:]}".strip())
+        return not self.task.done()
 
     async def shutdown(self, timeout: float) -> None:
         if self.task is None or self.task.done():
             return
         await self.inbox.put({"type": "lifespan.shutdown"})
         try:
-            await asyncio.wait_for(self.events.get(), timeout)
+            await asyncio.wait_for(self.stopped.wait(), timeout)
         finally:
             self.task.cancel()
 
 
+_SHUTDOWN_DONE = ("lifespan.shutdown.complete", "lifespan.shutdown.failed")
+_MESSAGE_TAIL = 2000  # Starlette sends the whole traceback; its end says what failed
+
+
 async def start(imported: Imported, timeout: float) -> None:
-    """Run an app's lifespan startup; a failure unloads the version and raises LoadError."""
+    """Run an app's lifespan startup. Any failure, whatever it raises, forgets the
+    version, cancels its lifespan, and is a LoadError."""
     if imported.kind != "app":
         return
     lifespan = _Lifespan(imported.app, imported.state)
     try:
         if await lifespan.startup(timeout):
             imported.lifespan = lifespan
-    except TimeoutError:
+    except BaseException as exc:
+        if lifespan.task is not None:
+            lifespan.task.cancel()
         forget(imported.package)
-        raise LoadError(f"app lifespan startup took longer than {timeout:g} s") from None
-    except LoadError:
-        forget(imported.package)
-        raise
+        if not isinstance(exc, Exception):
+            raise  # a cancelled load stays cancelled
+        message = str(exc) if isinstance(exc, LoadError) else f"{type(exc).__name__}: {exc}"
+        if not message.startswith("app lifespan"):
+            message = f"app lifespan startup failed: {message}"
+        raise LoadError(scrub_paths(message, imported.root)) from exc
 
 
 async def stop(imported: Imported, timeout: float) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from polyserve.shm import H_ALIVE, H_STARTED, Table
+from polyserve.store import Ledger
 
 
 class Cell(IntEnum):
@@ -47,8 +48,10 @@ class Cell(IntEnum):
 CELLS = len(Cell)
 # Plain ints for the request path: an IntEnum member lookup costs more than the store.
 _REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
-# Counters that only grow: what a checkpoint saves and a restart restores.
+# Counters that only grow: what a checkpoint saves, a restart restores, and a slot
+# handed over to another space keeps for its old owner (store.Ledger).
 TOTALS = (Cell.REQUESTS, Cell.ERRORS, Cell.BUSY_US, Cell.RESIDENT_US, Cell.LOADS, Cell.IMPORT_US)
+_TOTAL_CELLS = [int(c) for c in TOTALS]
 
 
 def now_us() -> int:
@@ -120,6 +123,35 @@ def fold_row(table: Table, row: int, now: int) -> None:
     cells[open_, Cell.RESIDENT_US] += now - since[open_]
     since[open_] = 0
     table.words[table.inflight_index(row)] = 0
+    table.held_array()[row] = 0  # a dead worker holds no version
+
+
+def reclaimable(table: Table, slot: int) -> tuple[int, ...] | None:
+    """A deleted space's final totals, once no worker holds or loads any version of it
+    and no residency is open (nothing will write its cells again); else None."""
+    if table.held_array()[:, slot].any():
+        return None
+    cells = table.cell_array()[:, slot]
+    if cells[:, Cell.LOADED_SINCE_US].any():
+        return None
+    return tuple(int(v) for v in cells[:, _TOTAL_CELLS].sum(axis=0))
+
+
+def _by_name(table: Table, ledger: Ledger, now: int) -> tuple[list[str], np.ndarray]:
+    """Names and their (N, C) totals: slot owners (raw totals plus the ledger's offsets),
+    then the names whose slots were handed over, with what they used there."""
+    n = min(len(ledger.names), table.space_slots)
+    t = totals(table, now)[:n]
+    for slot, offset in ledger.offsets.items():
+        if slot < n:
+            t[slot, _TOTAL_CELLS] += offset
+    names = ledger.names[:n]
+    if ledger.retired:
+        extra = np.zeros((len(ledger.retired), t.shape[1]), dtype=np.int64)
+        extra[:, _TOTAL_CELLS] = list(ledger.retired.values())
+        t = np.vstack([t, extra])
+        names = names + list(ledger.retired)
+    return names, t
 
 
 def totals(table: Table, now: int) -> np.ndarray:
@@ -133,17 +165,18 @@ def totals(table: Table, now: int) -> np.ndarray:
     return summed
 
 
-def usage(table: Table, names: list[str], now: int) -> dict[str, object]:
+def usage(table: Table, ledger: Ledger, now: int) -> dict[str, object]:
     """The /_polyserve/usage answer: the seed's four fields per space, and more."""
     cells = table.cell_array()
-    n = min(len(names), table.space_slots)
     summed = totals(table, now)
-    t = summed[:n]
-    loaded_in = (cells[:, :n, Cell.LOADED_SINCE_US] > 0).sum(axis=0)
+    names, t = _by_name(table, ledger, now)
+    n = min(len(ledger.names), table.space_slots)
+    pad = len(names) - n  # names without a slot: not loaded anywhere, no latest load
+    loaded_in = np.pad((cells[:, :n, Cell.LOADED_SINCE_US] > 0).sum(axis=0), (0, pad))
     # Column by column in numpy, then one comprehension: with 10,000 spaces a
     # per-space loop of arithmetic took 19 ms of the answer.
     columns = zip(
-        names[:n],
+        names,
         t[:, Cell.REQUESTS].tolist(),
         (t[:, Cell.BUSY_US] // 1000).tolist(),
         (t[:, Cell.RESIDENT_US] // 1_000_000).tolist(),
@@ -152,8 +185,8 @@ def usage(table: Table, names: list[str], now: int) -> dict[str, object]:
         t[:, Cell.LOADS].tolist(),
         loaded_in.tolist(),
         # "Latest" cells: the largest value over the workers, which load independently.
-        (cells[:, :n, Cell.LAST_IMPORT_US].max(axis=0) / 1000).round(3).tolist(),
-        (cells[:, :n, Cell.RSS_BYTES].max(axis=0) // 1024).tolist(),
+        (np.pad(cells[:, :n, Cell.LAST_IMPORT_US].max(axis=0), (0, pad)) / 1000).round(3).tolist(),
+        (np.pad(cells[:, :n, Cell.RSS_BYTES].max(axis=0), (0, pad)) // 1024).tolist(),
         strict=True,
     )
     spaces = {
@@ -186,15 +219,14 @@ def usage(table: Table, names: list[str], now: int) -> dict[str, object]:
 # -- checkpoint and restore ------------------------------------------------------------
 
 
-def checkpoint(table: Table, names: list[str], path: Path, now: int) -> None:
+def checkpoint(table: Table, ledger: Ledger, path: Path, now: int) -> None:
     """Write every space's totals (open stretches counted to now) atomically to path."""
-    t = totals(table, now)
+    names, t = _by_name(table, ledger, now)
     data = {
         "format": 1,
         "saved_at": time.time(),
         "spaces": {
-            name: {c.name.lower(): int(t[slot, c]) for c in TOTALS}
-            for slot, name in enumerate(names[: table.space_slots])
+            name: {c.name.lower(): int(t[i, c]) for c in TOTALS} for i, name in enumerate(names)
         },
     }
     tmp = path.with_name(path.name + ".tmp")
@@ -206,16 +238,19 @@ def checkpoint(table: Table, names: list[str], path: Path, now: int) -> None:
     table.set_header(H_ALIVE, now)
 
 
-def checkpoint_totals(path: Path, names: list[str]) -> np.ndarray | None:
-    """A checkpoint's totals as a (slots, C) array, or None if there is none yet."""
+def checkpoint_totals(path: Path, ledger: Ledger) -> np.ndarray | None:
+    """A checkpoint's totals as raw per-slot totals (S, C) — the ledger's offsets taken
+    back out, since usage() adds them again — or None if there is none yet."""
     try:
         saved = json.loads(path.read_text())["spaces"]
     except FileNotFoundError:
         return None
-    t = np.zeros((len(names), CELLS), dtype=np.int64)
-    for slot, name in enumerate(names):
+    t = np.zeros((len(ledger.names), CELLS), dtype=np.int64)
+    for slot, name in enumerate(ledger.names):
         for key, value in saved.get(name, {}).items():
             t[slot, Cell[key.upper()]] = value
+        if slot in ledger.offsets:
+            t[slot, _TOTAL_CELLS] -= ledger.offsets[slot]
     return t
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,25 @@ def _positive_float(text: str) -> float:
 
 def _const(value: Any) -> Callable[[dict[str, Any]], Any]:
     return lambda _: value
+
+
+def token_sha256(token: str) -> str:
+    """How the admin token and the owner tokens are kept: their SHA-256, in hex."""
+    # Tokens are 256-bit random strings, so a plain SHA-256 is enough to keep them out
+    # of files and memory; a slow password hash would only slow every deploy down.
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _sha256_hex(text: str) -> str:
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", text):
+        raise ValueError("must be a SHA-256 in hex (64 digits): `make token` prints one")
+    return text.lower()
+
+
+# Never echoed in an error, never handed to a subprocess by scrubbed_environ(). The
+# hash is not secret for a random token, but it is where a plaintext token pasted into
+# the wrong variable would end up.
+SECRETS = ("POLYSERVE_DEPLOY_TOKEN", "POLYSERVE_DEPLOY_TOKEN_SHA256")
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -75,15 +96,24 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "deploy_token",
-        str,
+        token_sha256,  # only its digest is kept: see load()
         _const(""),
-        "Admin bearer token for deploys and deletes of any space (empty: none).",
+        "Admin bearer token for deploys and deletes of any space (empty: none); kept only"
+        " as its SHA-256. Prefer POLYSERVE_DEPLOY_TOKEN_SHA256.",
+    ),
+    Setting(
+        "deploy_token_sha256",
+        _sha256_hex,
+        _const(""),
+        "The admin token's SHA-256 (64 hex digits) in place of the token, which the host"
+        " then never sees: `make token` prints both. Not with POLYSERVE_DEPLOY_TOKEN.",
     ),
     Setting(
         "tokens_file",
         str,
         _const(""),
-        "File of `owner sha256(token)` lines: each token may deploy its owner's spaces.",
+        "File of `owner sha256(token)` lines: each token may deploy its owner's spaces."
+        " A bad file stops the host at start.",
     ),
     Setting(
         "import_timeout",
@@ -122,6 +152,12 @@ SETTINGS: tuple[Setting, ...] = (
         "Largest total size (MiB) a tar may unpack to; it caps each file too.",
         "4 * POLYSERVE_MAX_UPLOAD_MB",
     ),
+    Setting(
+        "space_threads",
+        _positive_int,
+        _const(8),
+        "Threads a space's sync handle() may use at once, per worker (its own limit).",
+    ),
 )
 
 
@@ -133,7 +169,7 @@ class Settings:
     idle_ttl: float
     request_timeout: float
     worker_timeout: int
-    deploy_token: str
+    deploy_token_sha256: str  # from either token variable; the plaintext is never kept
     tokens_file: str
     import_timeout: float
     import_memory_mb: int
@@ -141,10 +177,16 @@ class Settings:
     checkpoint_interval: float
     max_upload_mb: int
     max_unpacked_mb: int
+    space_threads: int
 
 
 def load(env: Mapping[str, str] | None = None) -> Settings:
-    """Read every setting from env (default: os.environ); a bad value names its variable."""
+    """Read every setting from env (default: os.environ); a bad value names its variable.
+
+    Reading os.environ also replaces a plaintext POLYSERVE_DEPLOY_TOKEN there by
+    POLYSERVE_DEPLOY_TOKEN_SHA256, so later loads (the gunicorn config, on_starting, each
+    worker's app) get the same digest and spaces and child processes never see the token.
+    """
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     for s in SETTINGS:
@@ -155,15 +197,46 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
         try:
             values[s.name] = s.parse(raw)
         except ValueError as exc:
-            raise ValueError(f"{s.env}={raw!r}: {exc}") from None
+            shown = "<not shown>" if s.env in SECRETS else repr(raw)
+            raise ValueError(f"{s.env}={shown}: {exc}") from None
+    admin = values.pop("deploy_token")  # already its digest
+    if admin and values["deploy_token_sha256"]:
+        raise ValueError(
+            "POLYSERVE_DEPLOY_TOKEN and POLYSERVE_DEPLOY_TOKEN_SHA256 are both set: keep only"
+            " POLYSERVE_DEPLOY_TOKEN_SHA256 (`make token` prints a token and its hash)"
+        )
+    values["deploy_token_sha256"] = admin or values["deploy_token_sha256"]
+    if env is os.environ:
+        forget_token(os.environ)
     return Settings(**values)
+
+
+def forget_token(environ: MutableMapping[str, str]) -> None:
+    """Replace a plaintext POLYSERVE_DEPLOY_TOKEN in environ by its SHA-256.
+
+    On os.environ this unsets the C environment's variable too, so child processes and a
+    space's os.environ no longer hold it. /proc/self/environ still does: it shows the
+    environment block the process started with, which no one can rewrite. Only starting
+    the host with POLYSERVE_DEPLOY_TOKEN_SHA256 keeps the token out of it.
+    """
+    plain = environ.pop("POLYSERVE_DEPLOY_TOKEN", None)
+    if plain:
+        environ["POLYSERVE_DEPLOY_TOKEN_SHA256"] = token_sha256(plain)
+
+
+def scrubbed_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """environ (default: os.environ) without the admin token variables (SECRETS): the
+    environment to give a subprocess that runs tenant code."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k not in SECRETS}
 
 
 def markdown_table() -> str:
     """The README's settings table, generated from the declarations above."""
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
-    defaults = vars(load({}))
+    defaults: dict[str, Any] = {}
     for s in SETTINGS:
+        defaults[s.name] = s.default(defaults)
         default = s.default_doc or str(defaults[s.name])
         shown = f"`{default}`" if default else "(empty)"
         rows.append(f"| `{s.env}` | {shown} | {s.doc} |")

@@ -7,15 +7,19 @@ Layout (native int64 words, so every cell is an aligned 8-byte store)::
     workers      W x 2     per worker row: pid (0 = free or booting), requests in flight
     generations  S         per space slot: bumped by each deploy, delete and release
     releases     S         per space slot: bumped by each release on demand
+    held         W x S     per (worker, space): the oldest version number the worker
+                           holds or is loading (0 = none), so no version directory in
+                           use is pruned and no slot in use is handed to another space
     cells        (W+1) x S x C
                            usage counters per (row, space); rows 0..W-1 belong to one
                            worker each, row W is the master's "base" row holding what
                            was restored at start (see polyserve.meter for the C cells)
 
 W worker rows, S space slots, C cells. The master creates the segment in gunicorn's
-`on_starting`; forked workers inherit the mapping, so nothing is attached by name on
-the request path. Every word has one writer at a time: a worker writes only its own
-row, the master writes the header, the base row, and the row of a worker that died.
+`when_ready`, once its sockets are bound; forked workers inherit the mapping, so nothing
+is attached by name on the request path. Every word has one writer at a time: a worker
+writes only its own rows, the master writes the header, the base row, and the rows of a
+worker that died.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 MAGIC = 0x70_6F_6C_79_73_72_76  # "polysrv"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 HEADER_WORDS = 8
 H_STARTED, H_ALIVE = 5, 6
 WORKER_WORDS = 2  # pid, in flight
@@ -79,19 +83,29 @@ class Table:
         gen = HEADER_WORDS + WORKER_WORDS * w
         self.generations = self.words[gen : gen + s]
         self.releases = self.words[gen + s : gen + 2 * s]
-        self.cells_base = gen + 2 * s
+        self.held_base = gen + 2 * s
+        self.cells_base = self.held_base + w * s
         self.base_row = w  # the master's row of restored totals
 
     @staticmethod
     def size_for(worker_slots: int, space_slots: int, cells: int) -> int:
         w, s = worker_slots, space_slots
-        return 8 * (HEADER_WORDS + WORKER_WORDS * w + 2 * s + (w + 1) * s * cells)
+        return 8 * (HEADER_WORDS + WORKER_WORDS * w + 2 * s + w * s + (w + 1) * s * cells)
 
     def inflight_index(self, row: int) -> int:
         return self.workers_base + WORKER_WORDS * row + 1
 
     def cell_index(self, row: int, slot: int, cell: int) -> int:
         return self.cells_base + (row * self.space_slots + slot) * self.cells + cell
+
+    def held_index(self, row: int, slot: int) -> int:
+        return self.held_base + row * self.space_slots + slot
+
+    def held_array(self) -> np.ndarray:
+        """The held words as a (W, S) view."""
+        n = self.worker_slots * self.space_slots
+        flat = np.frombuffer(self._buf, dtype=np.int64, count=n, offset=8 * self.held_base)
+        return flat.reshape(self.worker_slots, self.space_slots)
 
     def cell_array(self) -> np.ndarray:
         """All usage cells as a (W+1, S, C) view, for readers that sum."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -16,6 +18,11 @@ from polyserve.meter import Meter, rss_bytes
 from polyserve.store import Store, StoreError, Version, parse_space
 
 log = logging.getLogger("polyserve")
+COLLECT_INTERVAL_S = 1.0
+
+
+# glibc's: hands freed heap pages back to the kernel. Other C libraries go without.
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
 class NotDeployed(Exception):
@@ -47,6 +54,8 @@ class Registry:
         idle_ttl: float,
         start_timeout: float,
         clock: Callable[[], float] = time.monotonic,
+        space_threads: int = loader.DEFAULT_THREADS,
+        host_limiter: anyio.CapacityLimiter | None = None,
     ) -> None:
         self.store = store
         self.control = control
@@ -54,19 +63,28 @@ class Registry:
         self.idle_ttl = idle_ttl
         self.start_timeout = start_timeout
         self.clock = clock
+        self.space_threads = space_threads
+        # Imports run on threads no tenant's sync handlers can take (see HandleApp).
+        self.host_limiter = host_limiter
+        self._collect_at: asyncio.TimerHandle | None = None
+        self._collected = 0.0  # loop time of the last collection
         self.active: dict[str, Active] = {}
-        self._slots: dict[str, int] = {}  # slots never change, so cache hits are forever
+        # A slot changes only when a deleted space's slot is handed over; a load
+        # checks, and every hand-over bumps the slot's generation, which forces one.
+        self._slots: dict[str, int] = {}
         self._loading: dict[str, asyncio.Task[Active]] = {}
-        self._held: dict[str, int] = {}  # versions held per space, draining ones included
+        # Version numbers held per space (draining and loading ones included); the
+        # oldest is published in the shared table (Control.hold).
+        self._held: dict[str, list[int]] = {}
 
     # -- the request path -----------------------------------------------------------
 
     async def acquire(self, space: str) -> Active:
         """The version to serve this request with; pair with release()."""
-        slot = self._slots.get(space)
-        if slot is None:
-            slot = self._find_slot(space)
         while True:
+            slot = self._slots.get(space)
+            if slot is None:
+                slot = self._find_slot(space)
             generation = self.control.generation(slot)
             active = self.active.get(space)
             if active is not None and active.generation == generation:
@@ -124,24 +142,41 @@ class Registry:
             del self._loading[space]
 
     async def _load(self, space: str, slot: int, generation: int) -> Active:
-        version = self.store.current(space)
         current = self.active.get(space)
+        self.store.refresh_slots()
+        if self.store.slot(space) != slot:  # the space was deleted and its slot handed over
+            if current is not None:
+                self._retire(current)
+            self._slots.pop(space, None)  # acquire() looks it up again
+            slot = self._find_slot(space)
+            generation = self.control.generation(slot)
+        version = self._hold_current(space, slot)
         if version is None:
             if current is not None:
                 self._retire(current)
             raise NotDeployed(space)
         release = self.control.release_count(slot)
         if current is not None and current.version == version and current.release == release:
+            self._unhold(space, slot, version.number)  # the Active holds it already
             current.generation = generation  # a bump that did not change the version
             return current
         started, started_us, rss_before = self.clock(), self.meter.clock(), rss_bytes()
-        imported = await anyio.to_thread.run_sync(
-            loader.import_version, space, version.number, version.dir, version.entry
-        )
-        await loader.start(imported, self.start_timeout)
+        try:
+            imported = await anyio.to_thread.run_sync(
+                loader.import_version,
+                space,
+                version.number,
+                version.dir,
+                version.entry,
+                self.space_threads,
+                limiter=self.host_limiter,
+            )
+            await loader.start(imported, self.start_timeout)
+        except BaseException:
+            self._unhold(space, slot, version.number)
+            raise
         # Memory the load added: approximate when other work runs at the same time.
         self.meter.loaded(slot, started_us, rss_bytes() - rss_before)
-        self._held[space] = self._held.get(space, 0) + 1
         now = self.clock()
         active = Active(imported, version, slot, generation, release, last_used=now)
         # The switch: from here on new requests get the new version.
@@ -157,6 +192,32 @@ class Registry:
         )
         return active
 
+    def _hold_current(self, space: str, slot: int) -> Version | None:
+        """The current version, held (Control.hold) before any of its files is read.
+        Held, then read again: a version still current after the hold is visible can no
+        longer be pruned, since pruning reads the holds after it moves `current`."""
+        version = self.store.current(space)
+        while version is not None:
+            self._hold(space, slot, version.number)
+            again = self.store.current(space)
+            if again == version:
+                return version
+            self._unhold(space, slot, version.number)
+            version = again
+        return None
+
+    def _hold(self, space: str, slot: int, number: int) -> None:
+        held = self._held.setdefault(space, [])
+        held.append(number)
+        self.control.hold(slot, min(held))
+
+    def _unhold(self, space: str, slot: int, number: int) -> None:
+        held = self._held[space]
+        held.remove(number)
+        if not held:
+            del self._held[space]
+        self.control.hold(slot, min(held, default=0))
+
     def _retire(self, active: Active) -> None:
         if self.active.get(active.imported.space) is active:
             del self.active[active.imported.space]
@@ -168,11 +229,39 @@ class Registry:
         if active._dropping is not None:
             return
         space = active.imported.space
-        self._held[space] -= 1
-        if self._held[space] == 0:  # a swap keeps the space warm; this ends the stretch
-            del self._held[space]
+        if self._held[space] == [active.version.number]:
+            # A swap keeps the space warm; this ends the stretch. Folded before the
+            # hold is dropped: a slot nobody holds may be handed to another space.
             self.meter.released(active.slot)
-        active._dropping = asyncio.create_task(loader.stop(active.imported, self.start_timeout))
+        self._unhold(space, active.slot, active.version.number)
+        active._dropping = asyncio.create_task(self._stop(active))
+
+    async def _stop(self, active: Active) -> None:
+        await loader.stop(active.imported, self.start_timeout)
+        # The version may have been the last thing keeping older ones on disk.
+        await anyio.to_thread.run_sync(self._prune, active, limiter=self.host_limiter)
+        self._collect_soon()  # last: until this task ends, it holds the version
+
+    def _prune(self, active: Active) -> None:
+        with self.store.locked():
+            self.store.prune(active.imported.space, self.control.oldest_held(active.slot))
+
+    def _collect_soon(self) -> None:
+        """A dropped version's modules are reference cycles (functions hold their module's
+        globals), which only the cycle collector frees: run it after drops, at most once a
+        second, from the loop rather than in a request's path."""
+        if self._collect_at is not None:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, self._collected + COLLECT_INTERVAL_S - loop.time())
+        self._collect_at = loop.call_later(delay, self._collect)
+
+    def _collect(self) -> None:
+        self._collect_at = None
+        gc.collect()
+        if _malloc_trim is not None:  # so that RSS falls too
+            _malloc_trim(0)
+        self._collected = asyncio.get_running_loop().time()
 
     # -- control signal and idle release ------------------------------------------------
 
@@ -219,6 +308,9 @@ class Registry:
         for active in held:
             self._retire(active)
         await self._wait_dropped(held)
+        if self._collect_at is not None:
+            self._collect_at.cancel()
+            self._collect_at = None
 
     @staticmethod
     async def _wait_dropped(actives: list[Active]) -> None:

@@ -3,7 +3,8 @@
 Layout under POLYSERVE_DATA_DIR::
 
     store.lock                      flock held while publishing, deleting or allocating
-    slots.log                       append-only "<slot>\t<owner/name>" lines: slot n is line n
+    slots.log                       append-only "<slot>\t<owner/name>[\t<totals>]" lines: a
+                                    new slot, or a deleted space's slot handed over
     staging/<random>/               one fresh directory per deploy in progress
     spaces/<owner>/<name>/last      the last version number handed out
     spaces/<owner>/<name>/current   symlink -> versions/<n>, replaced atomically
@@ -23,23 +24,16 @@ import json
 import os
 import re
 import shutil
-import tarfile
 import tempfile
 import threading
 import time
-import tomllib
-import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-MANIFEST = "polyserve.toml"
-DEFAULT_ENTRIES = ("main.py", "app.py")
 KEEP_VERSIONS = 3  # older versions are pruned; in-flight requests only ever use the last two
-MAX_TAR_ENTRIES = 10_000
 _NAME_PART = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
-_SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}\.py")  # else stored as main.py
 
 
 class StoreError(Exception):
@@ -79,6 +73,19 @@ class Staged:
 
 
 @dataclass(frozen=True)
+class Ledger:
+    """The slot log read for billing. Totals are tuples in the order of meter.TOTALS."""
+
+    names: list[str]  # the owner of each slot
+    offsets: dict[int, tuple[int, ...]]  # slot -> added to its raw totals
+    retired: dict[str, tuple[int, ...]]  # names that own no slot now -> their usage
+
+
+# Given a deleted space's slot, its final usage totals, or None while it is in use.
+Reclaim = Callable[[int], tuple[int, ...] | None] | None
+
+
+@dataclass(frozen=True)
 class Version:
     """A published version as a worker needs it to import."""
 
@@ -99,7 +106,9 @@ class Store:
         self._slots_log = self.root / "slots.log"
         self._slots_log.touch()
         self._slots: dict[str, int] = {}
-        self._names: list[str] = []
+        self._names: list[str] = []  # the owner of each slot
+        self._base: dict[int, tuple[int, ...]] = {}  # a handed-over slot's totals then
+        self._earlier: dict[str, tuple[int, ...]] = {}  # usage in slots a name lost
         self._slots_read = 0  # bytes of slots.log already parsed
         self._slots_lock = threading.Lock()  # the loop and publish threads both refresh
 
@@ -110,18 +119,15 @@ class Store:
 
     def stage(self, upload: BinaryIO, filename: str, max_unpacked: int) -> Staged:
         """Unpack an upload (a .py file or a tar) into a fresh directory and find its entry."""
+        # Here, not at the top: polyserve.unpack imports StoreError from this module.
+        from polyserve.unpack import unpack_upload
+
         digest, size = _hash(upload)
         with _disk_full_is_507():
             staging = Path(tempfile.mkdtemp(dir=self.staging_dir))
         try:
             with _disk_full_is_507():
-                if filename.endswith(".py"):
-                    # Keep the uploaded name, so errors and tracebacks name the user's file.
-                    entry = filename if _SOURCE_NAME.fullmatch(filename) else "main.py"
-                    _write_source(upload, staging / entry, filename)
-                else:
-                    _extract_tar(upload, staging, max_unpacked, filename)
-                    entry = _find_entry(staging)
+                entry = unpack_upload(upload, staging, filename, max_unpacked)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -142,15 +148,17 @@ class Store:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
-    def publish(self, space: str, staged: Staged, meta: dict[str, object]) -> tuple[int, int]:
+    def publish(
+        self, space: str, staged: Staged, meta: dict[str, object], reclaim: Reclaim = None
+    ) -> tuple[int, int]:
         """Move a validated stage into place and flip `current`. Hold locked(); returns
-        (slot, version number)."""
+        (slot, version number). Pruning is the caller's: only it knows what is held."""
         sdir = self.space_dir(space)
         versions = sdir / "versions"
         with _disk_full_is_507():
             slot = self.slot(space)
             if slot is None:
-                slot = self._allocate_slot(space)
+                slot = self._allocate_slot(space, reclaim)
             versions.mkdir(parents=True, exist_ok=True)
             number = _read_int(sdir / "last") + 1
             meta = {
@@ -174,81 +182,129 @@ class Store:
                 shutil.rmtree(version_dir, ignore_errors=True)
                 meta_path.unlink(missing_ok=True)
                 raise
-        self._prune(versions, number)
         return slot, number
 
     def delete(self, space: str) -> int | None:
-        """Undeploy: drop `current` and the versions; the slot stays the space's. Hold
-        locked(); returns the slot, or None when the space is not deployed."""
-        sdir = self.space_dir(space)
+        """Undeploy: drop `current`; prune() removes the versions once nobody uses them.
+        Hold locked(); returns the slot, or None when the space is not deployed."""
         try:
-            os.unlink(sdir / "current")
+            os.unlink(self.space_dir(space) / "current")
         except FileNotFoundError:
             return None
-        shutil.rmtree(sdir / "versions", ignore_errors=True)
         return self.slot(space)
 
-    def _allocate_slot(self, space: str) -> int:
-        slot = len(self._names)  # publish() refreshed the map under the lock
-        if slot >= self.max_spaces:
-            raise StoreError(
-                507,
-                f"space table is full ({self.max_spaces} slots): raise POLYSERVE_MAX_SPACES",
-                space=space,
-            )
-        fd = os.open(self._slots_log, os.O_WRONLY | os.O_APPEND)
+    def prune(self, space: str, oldest_held: int | None) -> None:
+        """Remove the versions nobody can use any more: those older than the newest
+        KEEP_VERSIONS (all of them once the space is deleted) that are also older than
+        the oldest version a worker holds — a draining request or a slow load may still
+        read its files. Hold locked()."""
+        sdir = self.space_dir(space)
+        current = _current_number(sdir)
+        newest = _read_int(sdir / "last")
+        floor = newest - KEEP_VERSIONS + 1 if current is not None else newest + 1
+        if oldest_held is not None:
+            floor = min(floor, oldest_held)
         try:
-            os.write(fd, f"{slot}\t{space}\n".encode())
-            os.fsync(fd)  # billing rows are keyed by slot: the map must survive a crash
-        finally:
-            os.close(fd)
-        self._refresh_slots()
-        return slot
-
-    def _refresh_slots(self) -> None:
-        """Parse what was appended to slots.log since the last read (complete lines only)."""
-        with self._slots_lock, open(self._slots_log, "rb") as f:
-            f.seek(self._slots_read)
-            tail = f.read()
-            complete = tail[: tail.rfind(b"\n") + 1]
-            for line in complete.decode().splitlines():
-                number, space = line.split("\t")
-                if int(number) != len(self._names):
-                    raise RuntimeError(f"slots.log is corrupt at slot {number}")
-                self._slots[space] = len(self._names)
-                self._names.append(space)
-            self._slots_read += len(complete)
-
-    def _prune(self, versions: Path, newest: int) -> None:
-        for path in versions.iterdir():
+            paths = list((sdir / "versions").iterdir())
+        except FileNotFoundError:
+            return
+        for path in paths:
             number = path.name.removesuffix(".json")
-            if number.isdigit() and int(number) <= newest - KEEP_VERSIONS:
+            if number.isdigit() and int(number) < floor and int(number) != current:
                 if path.is_dir():
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     path.unlink(missing_ok=True)
 
+    def _allocate_slot(self, space: str, reclaim: Reclaim) -> int:
+        """A new slot while the table has room; then the slot of a deleted space that no
+        worker uses any more, whose usage stays readable by name (see ledger())."""
+        slot, line = len(self._names), f"{len(self._names)}\t{space}\n"
+        if slot >= self.max_spaces:
+            for slot, owner in enumerate(self._names):
+                if os.path.lexists(self.space_dir(owner) / "current") or reclaim is None:
+                    continue
+                final = reclaim(slot)  # None while a worker still uses the slot
+                if final is not None:
+                    line = f"{slot}\t{space}\t{','.join(map(str, final))}\n"
+                    break
+            else:
+                raise StoreError(
+                    507,
+                    f"space table is full ({self.max_spaces} slots, none of them a deleted"
+                    " space's that is no longer in use): raise POLYSERVE_MAX_SPACES",
+                    space=space,
+                )
+        fd = os.open(self._slots_log, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, line.encode())
+            os.fsync(fd)  # billing rows are keyed by slot: the map must survive a crash
+        finally:
+            os.close(fd)
+        self.refresh_slots()
+        return slot
+
+    def refresh_slots(self) -> None:
+        """Parse what was appended to slots.log since the last read (complete lines only).
+
+        A line `n<TAB>owner/name` gives a space the next new slot; a line
+        `n<TAB>owner/name<TAB>totals` hands slot n over from a deleted space, with the
+        slot's usage totals at that moment: the old owner keeps what it used up to
+        them, the new one counts from them."""
+        with self._slots_lock, open(self._slots_log, "rb") as f:
+            f.seek(self._slots_read)
+            tail = f.read()
+            complete = tail[: tail.rfind(b"\n") + 1]
+            for line in complete.decode().splitlines():
+                number, space, *final = line.split("\t")
+                slot = int(number)
+                if slot == len(self._names) and not final:
+                    self._names.append(space)
+                elif slot < len(self._names) and final:
+                    self._hand_over(slot, space, tuple(map(int, final[0].split(","))))
+                else:
+                    raise RuntimeError(f"slots.log is corrupt at slot {number}")
+                self._slots[space] = slot
+            self._slots_read += len(complete)
+
+    def _hand_over(self, slot: int, space: str, final: tuple[int, ...]) -> None:
+        previous = self._names[slot]
+        used = _minus(final, self._base.get(slot, (0,) * len(final)))
+        self._earlier[previous] = _plus(self._earlier.get(previous, (0,) * len(final)), used)
+        if self._slots.get(previous) == slot:
+            del self._slots[previous]
+        self._names[slot] = space
+        self._base[slot] = final
+
     # -- reading -------------------------------------------------------------
 
     def slot(self, space: str) -> int | None:
-        """The space's stable slot, or None if it was never deployed."""
+        """The space's slot, or None if it has none (never deployed, or deleted and its
+        slot handed over)."""
         if space not in self._slots:
-            self._refresh_slots()
+            self.refresh_slots()
         return self._slots.get(space)
 
-    def slot_names(self) -> list[str]:
-        """Every space that ever had a slot, indexed by slot."""
-        self._refresh_slots()
-        return self._names
+    def ledger(self) -> Ledger:
+        """Who owns each slot, and what to add to each slot's raw usage totals so that
+        usage is per name across slot hand-overs."""
+        self.refresh_slots()
+        offsets = {}
+        for slot, name in enumerate(self._names):
+            earlier, base = self._earlier.get(name), self._base.get(slot)
+            if earlier is not None or base is not None:
+                width = len(earlier or base or ())
+                offsets[slot] = _minus(earlier or (0,) * width, base or (0,) * width)
+        owners = set(self._names)
+        retired = {n: t for n, t in self._earlier.items() if n not in owners}
+        return Ledger(list(self._names), offsets, retired)
 
     def current(self, space: str) -> Version | None:
         """The published version `current` points at, or None if not deployed."""
         sdir = self.space_dir(space)
-        try:
-            target = os.readlink(sdir / "current")
-        except (FileNotFoundError, NotADirectoryError):
+        number = _current_number(sdir)
+        if number is None:
             return None
-        number = int(target.rsplit("/", 1)[1])
         meta = self.meta(space, number)
         if meta is None:  # deleted between the readlink and here
             return None
@@ -286,105 +342,19 @@ def _hash(upload: BinaryIO) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
-def _write_source(upload: BinaryIO, dest: Path, filename: str) -> None:
-    data = upload.read()
-    if not data.strip():
-        raise StoreError(422, f"{filename} is empty: upload a module that defines app or handle")
+def _plus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x + y for x, y in zip(a, b, strict=True))
+
+
+def _minus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x - y for x, y in zip(a, b, strict=True))
+
+
+def _current_number(sdir: Path) -> int | None:
     try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise StoreError(422, f"{filename} is not UTF-8 text: {exc}") from None
-    dest.write_bytes(data)
-
-
-def _member_name(raw: str) -> str:
-    """Normalize a tar member name (`tar -C dir .` writes `./main.py`); reject escapes."""
-    if raw.startswith("/") or "\\" in raw:
-        raise StoreError(422, "tar member has an absolute or backslash path", member=raw)
-    parts = [p for p in raw.split("/") if p not in ("", ".")]
-    if ".." in parts:
-        raise StoreError(422, "tar member path contains '..'", member=raw)
-    return "/".join(parts)
-
-
-def _extract_tar(upload: BinaryIO, dest: Path, max_unpacked: int, filename: str) -> None:
-    members: list[tarfile.TarInfo] = []
-    total = 0
-    try:
-        with tarfile.open(fileobj=upload, mode="r:*") as tar:
-            for m in tar:  # headers stream in; every cap is checked before any data is written
-                if len(members) >= MAX_TAR_ENTRIES:
-                    raise StoreError(422, f"tar has more than {MAX_TAR_ENTRIES} entries")
-                if not (m.isreg() or m.isdir()):
-                    # Links and special files are refused outright rather than checked:
-                    # the tarfile filter bypasses of 2024-2025 all went through links.
-                    raise StoreError(
-                        422,
-                        "tar may only hold regular files and directories",
-                        member=m.name,
-                        type=_TYPE_NAMES.get(m.type, repr(m.type)),
-                    )
-                name = _member_name(m.name)
-                if not name:
-                    if m.isdir():
-                        continue  # the "." directory entry
-                    raise StoreError(422, "tar member has an empty name", member=m.name)
-                total += m.size
-                if total > max_unpacked:
-                    raise StoreError(
-                        413,
-                        f"tar unpacks to more than {max_unpacked >> 20} MiB",
-                    )
-                members.append(m.replace(name=name, deep=False))
-            # The data filter is a second layer under the checks above.
-            tar.extractall(dest, members=members, filter="data")
-    except StoreError:
-        raise
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
-            raise
-        raise StoreError(
-            422,
-            f"module must be a .py file or a valid tar (plain or gzip): {exc}",
-            filename=filename,
-        ) from None
-
-
-_TYPE_NAMES = {
-    tarfile.SYMTYPE: "symlink",
-    tarfile.LNKTYPE: "hard link",
-    tarfile.CHRTYPE: "character device",
-    tarfile.BLKTYPE: "block device",
-    tarfile.FIFOTYPE: "fifo",
-}
-
-
-def _find_entry(root: Path) -> str:
-    manifest = root / MANIFEST
-    if manifest.is_file():
-        try:
-            entry = tomllib.loads(manifest.read_text("utf-8")).get("entry")
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise StoreError(422, f"{MANIFEST} is not valid TOML: {exc}") from None
-        if not isinstance(entry, str) or "/" in entry or not entry.endswith(".py"):
-            raise StoreError(
-                422,
-                f"{MANIFEST}: entry must name a .py file at the top of the tar",
-                entry=entry,
-            )
-        if not (root / entry).is_file():
-            raise StoreError(422, f"{MANIFEST}: entry {entry} is not in the tar")
-        return entry
-    for name in DEFAULT_ENTRIES:
-        if (root / name).is_file():
-            return name
-    top = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())[:10]
-    raise StoreError(
-        422,
-        "no entry module: put main.py or app.py at the top of the tar (create it with"
-        f" `tar -cf space.tar -C yourdir .`) or name one in {MANIFEST}",
-        found=top,
-    )
+        return int(os.readlink(sdir / "current").rsplit("/", 1)[1])
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def _read_int(path: Path) -> int:

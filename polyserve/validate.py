@@ -1,7 +1,8 @@
-"""Import a staged version in a throwaway subprocess (timeout, address-space limit) before publish.
+"""Import and start a staged version as a worker will, in a throwaway subprocess, before publish.
 
 The parent side is `validate()`. The child (`python -m polyserve.validate ROOT ENTRY
-MEMORY_MB`) byte-compiles the version, imports its entry the way a worker will, and
+MEMORY_MB TIMEOUT`) byte-compiles the version, then on an event loop like a worker's
+imports its entry on a worker thread, runs the ASGI lifespan startup and shutdown, and
 writes one JSON line to its original stdout; tenant output is moved to stderr first.
 """
 
@@ -16,15 +17,21 @@ import resource
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from polyserve.store import StoreError
 
-_STDERR_TAIL = 2000
+STDERR_TAIL = 2000  # bytes of the import's stderr kept for the error body
+_RESULT_MAX = 64 << 10  # the result line is small; anything past this is tenant noise
+_CHUNK = 64 << 10
 
 
-async def validate(root: Path, entry: str, timeout: float, memory_mb: int) -> dict[str, object]:
-    """Return {"kind", "import_ms"} or raise StoreError(422) saying what to fix."""
+async def validate(
+    root: Path, entry: str, timeout: float, memory_mb: int, env: Mapping[str, str] | None = None
+) -> dict[str, object]:
+    """Return {"kind", "import_ms"} or raise StoreError(422) saying what to fix. `env` is
+    the child's whole environment (the host passes one without its secrets)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -32,13 +39,25 @@ async def validate(root: Path, entry: str, timeout: float, memory_mb: int) -> di
         str(root),
         entry,
         str(memory_mb),
+        str(timeout),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        env=None if env is None else dict(env),
         start_new_session=True,  # so a timeout kills whatever the import spawned, too
     )
+    assert proc.stdout is not None and proc.stderr is not None
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        # Both pipes are drained as they fill, keeping a bounded head of stdout and tail
+        # of stderr: a module that prints hundreds of MiB costs the worker nothing.
+        out, err, _ = await asyncio.wait_for(
+            asyncio.gather(
+                _read_bounded(proc.stdout, _RESULT_MAX, keep_tail=False),
+                _read_bounded(proc.stderr, STDERR_TAIL, keep_tail=True),
+                proc.wait(),
+            ),
+            timeout,
+        )
     except TimeoutError:
         _kill_group(proc.pid)
         await proc.wait()
@@ -51,13 +70,13 @@ async def validate(root: Path, entry: str, timeout: float, memory_mb: int) -> di
         _kill_group(proc.pid)  # the deploy request was cancelled: leave nothing running
         raise
     _kill_group(proc.pid)  # children the import left behind
-    stderr = err.decode("utf-8", "replace")[-_STDERR_TAIL:]
+    stderr = err.decode("utf-8", "replace")
     try:
         result = json.loads(out.decode().strip().splitlines()[-1])
     except (ValueError, IndexError):
         how = (
             f"signal {signal.Signals(-proc.returncode).name}"
-            if proc.returncode < 0
+            if proc.returncode is not None and proc.returncode < 0
             else f"exit code {proc.returncode}"
         )
         raise StoreError(
@@ -68,7 +87,7 @@ async def validate(root: Path, entry: str, timeout: float, memory_mb: int) -> di
     if not result.get("ok"):
         raise StoreError(
             422,
-            str(result["message"]),
+            str(result["error"]),
             file=result.get("file"),
             line=result.get("line"),
             stderr=stderr,
@@ -76,13 +95,57 @@ async def validate(root: Path, entry: str, timeout: float, memory_mb: int) -> di
     return {"kind": result["kind"], "import_ms": result["import_ms"]}
 
 
+async def _read_bounded(stream: asyncio.StreamReader, keep: int, keep_tail: bool) -> bytes:
+    """Read a pipe to its end, keeping at most `keep` bytes: its head or its tail."""
+    kept = bytearray()
+    while chunk := await stream.read(_CHUNK):
+        if keep_tail:
+            kept += chunk
+            del kept[:-keep]
+        elif len(kept) < keep:
+            kept += chunk[: keep - len(kept)]
+    return bytes(kept)
+
+
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # the group is already gone
         os.killpg(pid, signal.SIGKILL)
 
 
+# -- the child --------------------------------------------------------------------------
+
+
+async def _check(root: Path, entry: str, timeout: float) -> tuple[dict[str, object], object]:
+    """What a worker does with a version: import on a worker thread, start, and stop.
+    Returns the result line and, for a failure, what caused it."""
+    import anyio.to_thread
+
+    from polyserve import loader
+
+    started = time.perf_counter()
+    try:
+        imported = await anyio.to_thread.run_sync(
+            loader.import_version, "validate/space", 0, root, entry
+        )
+        await loader.start(imported, timeout)
+    except loader.LoadError as exc:
+        return {"ok": False, **exc.details}, exc.__cause__
+    import_ms = round((time.perf_counter() - started) * 1000, 3)
+    await loader.stop(imported, timeout)
+    return {"ok": True, "kind": imported.kind, "import_ms": import_ms}, None
+
+
+def _loop_factory() -> object:
+    # The event loop workers run (uvicorn's "auto": uvloop when installed).
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
 def main(argv: list[str]) -> None:
-    root, entry, memory_mb = Path(argv[0]), argv[1], int(argv[2])
+    root, entry, memory_mb, timeout = Path(argv[0]), argv[1], int(argv[2]), float(argv[3])
     result_fd = os.dup(1)
     os.dup2(2, 1)  # tenant prints must not corrupt the result line
     limit = memory_mb << 20
@@ -91,24 +154,14 @@ def main(argv: list[str]) -> None:
     # PYTHONDONTWRITEBYTECODE, so nothing else would write it). Files that do not
     # compile are reported by the import below if the entry actually uses them.
     compileall.compile_dir(str(root), quiet=2, workers=1)
-    from polyserve import loader
-
-    started = time.perf_counter()
-    try:
-        imported = loader.import_version("validate/space", 0, root, entry)
-        result = {
-            "ok": True,
-            "kind": imported.kind,
-            "import_ms": round((time.perf_counter() - started) * 1000, 3),
-        }
-    except loader.LoadError as exc:
-        result = {"ok": False, **exc.details}
-        result["message"] = result.pop("error")
-        if isinstance(exc.__cause__, MemoryError):
-            result["message"] = (
-                f"import of {entry} exceeded the validator's {memory_mb} MiB"
-                " address-space limit (POLYSERVE_IMPORT_MEMORY_MB)"
-            )
+    # Not closed: closing would wait for threads and tasks the tenant left running.
+    runner = asyncio.Runner(loop_factory=_loop_factory())  # type: ignore[arg-type]
+    result, cause = runner.run(_check(root, entry, timeout))
+    if isinstance(cause, MemoryError):
+        result["error"] = (
+            f"import of {entry} exceeded the validator's {memory_mb} MiB"
+            " address-space limit (POLYSERVE_IMPORT_MEMORY_MB)"
+        )
     os.write(result_fd, (json.dumps(result) + "\n").encode())
     # Skip interpreter shutdown: tenant threads or atexit hooks must not hang the deploy.
     os._exit(0)

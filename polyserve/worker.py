@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+from typing import Any, ClassVar
 
 from gunicorn.arbiter import Arbiter
 from uvicorn.server import Server
@@ -33,8 +34,16 @@ class _Server(Server):
 class Worker(UvicornWorker):
     """gunicorn worker class `polyserve.worker.Worker` (uvloop + httptools)."""
 
+    # uvicorn would rewrite every scope's client from X-Forwarded-For; the app applies
+    # gunicorn's FORWARDED_ALLOW_IPS to space requests only (HostApp.trust_forwarded).
+    CONFIG_KWARGS: ClassVar[dict[str, Any]] = {
+        **UvicornWorker.CONFIG_KWARGS,
+        "proxy_headers": False,
+    }
+
     async def _serve(self) -> None:
         # uvicorn-worker's own _serve, with the server above.
+        self.wsgi.trust_forwarded(self.cfg.forwarded_allow_ips)
         self.config.app = self.wsgi
         server = _Server(config=self.config)
         self._install_sigquit_handler()

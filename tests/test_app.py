@@ -130,15 +130,32 @@ def test_a_space_that_raises_answers_json_500_and_others_go_on(client):
     assert client.get("/s/o/good/").text == "ok"
 
 
-def test_a_space_whose_startup_fails_answers_json_500(client):
-    source = (
-        "import contextlib\nfrom starlette.applications import Starlette\n"
-        "@contextlib.asynccontextmanager\nasync def lifespan(app):\n"
-        "    raise RuntimeError('weights missing')\n    yield\n"
-        "app = Starlette(lifespan=lifespan)\n"
-    )
-    assert deploy(client, "o/s", source).status_code == 200  # import is fine; startup is not
-    r = client.get("/s/o/s/")
+STARTUP_NEEDS = """
+import contextlib, os
+from starlette.applications import Starlette
+@contextlib.asynccontextmanager
+async def lifespan(app):
+    if not os.path.exists({path!r}):
+        raise RuntimeError('weights missing')
+    yield
+app = Starlette(lifespan=lifespan)
+"""
+
+
+def test_a_space_whose_startup_fails_is_refused_at_deploy(client, tmp_path):
+    source = STARTUP_NEEDS.format(path=str(tmp_path / "absent"))
+    r = deploy(client, "o/s", source)
+    assert r.status_code == 422 and "startup failed" in r.json()["error"]
+    assert "weights missing" in r.json()["error"]
+    assert client.get("/s/o/s/").status_code == 404  # nothing was published
+
+
+def test_a_space_whose_startup_fails_in_a_worker_answers_json_500(client, tmp_path):
+    weights = tmp_path / "weights"
+    weights.touch()
+    assert deploy(client, "o/s2", STARTUP_NEEDS.format(path=str(weights))).status_code == 200
+    weights.unlink()  # gone between the deploy and the first request
+    r = client.get("/s/o/s2/")
     assert r.status_code == 500 and "startup failed" in r.json()["error"]
 
 

@@ -15,7 +15,8 @@ from starlette.testclient import TestClient
 
 from polyserve import settings
 from polyserve.app import create_app
-from tests.conftest import make_tar
+from tests.conftest import HostProcess, make_tar
+from tests.test_unpack import dot_entries_tgz, long_name_tgz
 
 V1 = b"def handle(request):\n    return 'v1'\n"
 OUTSIDE = Path("/tmp/polyserve-must-not-exist")  # where an escaping link would write
@@ -215,3 +216,40 @@ def test_a_link_refused_in_one_deploy_cannot_be_written_through_by_the_next(unch
     r = deploy(unchanged, "o/t", ("through.tar", through))
     assert r.status_code == 422  # no app or handle; the point is where lib/ went
     assert not OUTSIDE.exists()
+
+
+def peak_rss(host: HostProcess) -> dict[int, int]:
+    """Each worker's high-water RSS in bytes, by pid."""
+    peaks = {}
+    for pid in host.worker_pids():
+        status = Path(f"/proc/{pid}/status").read_text()
+        peaks[pid] = int(status.split("VmHWM:")[1].split()[0]) * 1024
+    return peaks
+
+
+def test_tar_header_bombs_through_a_real_host(host_factory, tmp_path):
+    """Through gunicorn: a 64 MiB long name and 20,000 `./` entries, each a small .tgz, are
+    short JSON 422s naming no path; no worker's peak RSS grows past a few times the cap;
+    nothing under spaces/ changes and v1 still serves."""
+    cap = 16 << 20
+    host = host_factory(POLYSERVE_MAX_UNPACKED_MB=str(cap >> 20))
+    assert host.deploy("o/hdr", V1).status_code == 200
+    bombs = [
+        (long_name_tgz(tmp_path / "long-name.tgz"), "longer than 4096 bytes"),
+        (dot_entries_tgz(tmp_path / "dots.tgz", 20_000), "more than 10000 entries"),
+    ]
+    spaces = snapshot(host.data_dir / "spaces")
+    peaks = peak_rss(host)
+    for path, words in bombs:
+        assert path.stat().st_size < 200_000
+        r = host.deploy("o/hdr", path.read_bytes(), path.name)
+        assert r.status_code == 422 and len(r.content) < 1000, r.text[:300]
+        assert b"/tmp" not in r.content and str(host.data_dir).encode() not in r.content
+        assert words in r.json()["error"]
+    assert snapshot(host.data_dir / "spaces") == spaces
+    assert not any((host.data_dir / "staging").iterdir())
+    after = peak_rss(host)
+    assert after.keys() == peaks.keys(), "a worker died"
+    for pid, peak in after.items():
+        assert peak - peaks[pid] <= 4 * cap, f"worker {pid} peak RSS grew {peak - peaks[pid]} B"
+    assert host.get("/s/o/hdr/").text == "v1"

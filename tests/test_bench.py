@@ -1,8 +1,11 @@
 """Smoke tests: the benchmarks run (one short round); their figures are not checked here."""
 
 import json
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -26,6 +29,10 @@ def test_cold_start_bench_runs_one_short_round():
     assert result["reimport_second_half"]["modules_growth"] == 0
 
 
+@pytest.mark.skipif(
+    shutil.which("wrk") is None,
+    reason="make bench drives load with wrk: install it with `apt-get install wrk` (.ci/run does)",
+)
 def test_make_bench_runs_one_short_round(tmp_path):
     out = subprocess.run(
         [

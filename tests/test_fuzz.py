@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 from pathlib import Path
@@ -55,9 +56,9 @@ member = st.tuples(
 )
 
 
-def build(members: list[tuple[str, bytes, str, bytes]]) -> bytes:
+def build(members: list[tuple[str, bytes, str, bytes]], fmt: int = tarfile.PAX_FORMAT) -> bytes:
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
         for name, kind, link, data in members:
             info = tarfile.TarInfo(name)
             info.type, info.linkname = kind, link
@@ -90,6 +91,32 @@ def test_staging_a_tar_either_refuses_it_or_writes_only_plain_files_inside(fuzz_
     assert not any(store.staging_dir.iterdir())
     assert not any((root / "outside").iterdir())
     assert not os.path.exists("/etc/passwd.py")
+
+
+# Names from empty to past the 4096-byte name cap, with parts past NAME_MAX (255).
+long_name = st.lists(
+    st.sampled_from(["a" * 300, "b" * 100, "é" * 50, "..", ".", "main.py", "x" * 5000]),
+    min_size=1,
+    max_size=12,
+).map("/".join)
+long_member = st.tuples(
+    long_name, st.sampled_from(KINDS), long_name | st.just("/etc/passwd"), st.binary(max_size=8)
+)
+
+
+@settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(long_member, min_size=1, max_size=4),
+    st.sampled_from([tarfile.PAX_FORMAT, tarfile.GNU_FORMAT]),
+)
+def test_a_refusal_is_short_and_names_no_host_path(fuzz_store, members, fmt):
+    store, root = fuzz_store
+    try:
+        store.discard(store.stage(io.BytesIO(build(members, fmt)), "fuzz.tar", 1 << 20))
+    except StoreError as exc:
+        body = json.dumps(exc.body())
+        assert len(body) < 1000 and str(root) not in body and "/tmp" not in body, body[:300]
+    assert not any(store.staging_dir.iterdir())
 
 
 OPERATIONS = [(method.upper(), path) for path, item in SPEC["paths"].items() for method in item]

@@ -259,3 +259,32 @@ def test_a_failing_startup_is_a_load_error(tmp_path):
     with pytest.raises(loader.LoadError, match="startup failed"):
         asyncio.run(loader.start(imported, timeout=5))
     assert imported.package not in sys.modules
+
+
+HANGING_STARTUP = """
+import asyncio
+
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        await receive()
+        await asyncio.Event().wait()  # never answers lifespan.startup
+"""
+
+
+def test_a_startup_that_hangs_is_a_load_error_that_leaves_no_task_behind(tmp_path):
+    """A lifespan startup that never answers is a LoadError at the timeout, and leaves no
+    task running the app's lifespan in the loop, and no module of the version."""
+    imported = load(tmp_path, {"main.py": HANGING_STARTUP})
+
+    async def main():
+        with pytest.raises(loader.LoadError, match=r"longer than 0\.5 s"):
+            await loader.start(imported, timeout=0.5)
+        me = asyncio.current_task()
+        for _ in range(200):  # a cancelled task ends within a few loop iterations
+            if asyncio.all_tasks() == {me}:
+                break
+            await asyncio.sleep(0.01)
+        return asyncio.all_tasks() - {me}
+
+    assert asyncio.run(main()) == set()
+    assert imported.package not in sys.modules

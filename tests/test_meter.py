@@ -9,8 +9,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from polyserve import meter, prometheus
 from polyserve.meter import CELLS, Cell, Meter
 from polyserve.shm import HEADER_WORDS, MAGIC, Table
+from polyserve.store import Ledger
 
-SPACES = ["o/a", "o/b", "o/c"]
+NAMES = ["o/a", "o/b", "o/c"]
+SPACES = Ledger(NAMES, offsets={}, retired={})  # three slots, none handed over
 S = 1_000_000  # µs per second
 
 
@@ -37,6 +39,7 @@ def test_every_region_of_the_layout_is_distinct():
     generations = HEADER_WORDS + 2 * 3
     indices += [generations + s for s in range(5)]
     indices += [generations + 5 + s for s in range(5)]  # release words
+    indices += [table.held_index(w, s) for w in range(3) for s in range(5)]
     indices += [table.cell_index(r, s, c) for r in range(4) for s in range(5) for c in range(CELLS)]
     for i in indices:
         touched[i] += 1
@@ -77,7 +80,7 @@ def test_usage_sums_workers_and_counts_open_residency():
     meters[1].loaded(1, clock.now - 10 * S, rss_bytes=0)
     meters[1].released(1)
     u = meter.usage(table, SPACES, clock.now)
-    a, b, c = (u["spaces"][name] for name in SPACES)
+    a, b, c = (u["spaces"][name] for name in NAMES)
     assert {k: a[k] for k in ("requests", "busy_ms", "warm_s", "loaded")} == {
         "requests": 6,
         "busy_ms": 0,
@@ -137,7 +140,7 @@ def test_a_checkpoint_restores_the_same_usage(tmp_path):
     restarted = Table.anonymous(3, 4, CELLS)
     meter.set_base(restarted, meter.checkpoint_totals(tmp_path / "usage.json", SPACES))
     after = meter.usage(restarted, SPACES, clock.now)["spaces"]
-    for name in SPACES:  # everything but the live state carries over
+    for name in NAMES:  # everything but the live state carries over
         for key in ("requests", "errors", "busy_ms", "warm_s", "cold_starts"):
             assert after[name][key] == before[name][key], (name, key)
     assert after["o/b"]["warm_s"] == 7 and not after["o/b"]["loaded"]
@@ -178,3 +181,47 @@ def test_prometheus_exposition_parses_and_carries_the_counts():
     assert samples[("polyserve_space_memory_bytes", "o/a")] == 2048
     assert samples[("polyserve_space_workers_loaded", "o/a")] == 1
     assert samples[("polyserve_in_flight", None)] == 0
+
+
+def test_a_slot_is_reclaimable_only_once_nobody_holds_or_warms_it():
+    """Handing a slot over needs its final totals: no hold, no open residency."""
+    table, clock, meters = world()
+    meters[0].end(1, meters[0].begin(), error=False)
+    meters[1].loaded(1, clock.now, rss_bytes=0)
+    table.held_array()[1, 1] = 4  # worker 1 holds v4
+    assert meter.reclaimable(table, 1) is None
+    table.held_array()[1, 1] = 0
+    assert meter.reclaimable(table, 1) is None  # its residency is still open
+    clock.now += 2 * S
+    meters[1].released(1)
+    final = meter.reclaimable(table, 1)
+    assert final is not None and dict(zip(meter.TOTALS, final, strict=True)) == {
+        Cell.REQUESTS: 1,
+        Cell.ERRORS: 0,
+        Cell.BUSY_US: 0,
+        Cell.RESIDENT_US: 2 * S,
+        Cell.LOADS: 1,
+        Cell.IMPORT_US: 0,
+    }
+
+
+def test_usage_is_per_name_across_a_slot_hand_over(tmp_path):
+    """The old owner keeps what it used in the slot; the new one counts from the hand-over,
+    and a checkpoint restores both."""
+    table, clock, (m, *_) = world()
+    for _ in range(3):
+        m.end(1, m.begin(), error=False)  # o/b: 3 requests, then deleted
+    final = meter.reclaimable(table, 1)
+    assert final is not None
+    m.end(1, m.begin(), error=True)  # the new owner's first request, an error
+    offset = tuple(-v for v in final)
+    ledger = Ledger(["o/a", "o/new", "o/c"], offsets={1: offset}, retired={"o/b": final})
+    u = meter.usage(table, ledger, clock.now)["spaces"]
+    assert (u["o/b"]["requests"], u["o/b"]["errors"], u["o/b"]["loaded"]) == (3, 0, False)
+    assert (u["o/new"]["requests"], u["o/new"]["errors"]) == (1, 1)
+    meter.checkpoint(table, ledger, tmp_path / "usage.json", clock.now)
+    restarted = Table.anonymous(3, 4, CELLS)
+    meter.set_base(restarted, meter.checkpoint_totals(tmp_path / "usage.json", ledger))
+    after = meter.usage(restarted, ledger, clock.now)["spaces"]
+    assert {n: after[n]["requests"] for n in after} == {n: u[n]["requests"] for n in u}
+    assert after["o/new"]["errors"] == 1

@@ -2,6 +2,8 @@
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -30,6 +32,7 @@ def test_a_bad_value_names_its_variable():
 
 def test_every_declaration_is_a_settings_field_and_back():
     declared = [s.name for s in settings.SETTINGS]
+    declared.remove("deploy_token")  # read into deploy_token_sha256: no plaintext field
     assert declared == [f.name for f in dataclasses.fields(settings.Settings)]
 
 
@@ -42,3 +45,84 @@ def test_the_unpacked_cap_follows_the_upload_cap_unless_set():
     assert settings.load({"POLYSERVE_MAX_UPLOAD_MB": "10"}).max_unpacked_mb == 40
     both = {"POLYSERVE_MAX_UPLOAD_MB": "10", "POLYSERVE_MAX_UNPACKED_MB": "15"}
     assert settings.load(both).max_unpacked_mb == 15
+
+
+TOKEN = "plaintext-admin-token-7f3a9c"
+TOKEN_SHA256 = settings.token_sha256(TOKEN)
+
+
+@pytest.fixture
+def token_env(monkeypatch):
+    """os.environ without either token variable; both are restored after the test, even
+    when load() has swapped one for the other."""
+    for name in settings.SECRETS:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_the_admin_token_is_kept_only_as_its_digest():
+    s = settings.load({"POLYSERVE_DEPLOY_TOKEN": TOKEN})
+    assert s.deploy_token_sha256 == TOKEN_SHA256
+    assert TOKEN not in repr(s)
+    assert settings.load({}).deploy_token_sha256 == ""
+
+
+def test_the_admin_token_may_be_given_by_its_hash_alone():
+    s = settings.load({"POLYSERVE_DEPLOY_TOKEN_SHA256": TOKEN_SHA256.upper()})
+    assert s.deploy_token_sha256 == TOKEN_SHA256
+
+
+@pytest.mark.parametrize("bad", ["abc", "g" * 64, TOKEN_SHA256 + "0", TOKEN_SHA256[:-1] + " "])
+def test_a_bad_hash_names_its_variable_and_does_not_echo_it(bad):
+    with pytest.raises(ValueError, match=r"POLYSERVE_DEPLOY_TOKEN_SHA256=<not shown>: .*64") as e:
+        settings.load({"POLYSERVE_DEPLOY_TOKEN_SHA256": bad})
+    assert bad.strip() not in str(e.value)
+
+
+def test_both_token_variables_are_refused():
+    both = {"POLYSERVE_DEPLOY_TOKEN": TOKEN, "POLYSERVE_DEPLOY_TOKEN_SHA256": TOKEN_SHA256}
+    with pytest.raises(ValueError, match="both set") as e:
+        settings.load(both)
+    assert TOKEN not in str(e.value)
+
+
+def test_loading_the_environment_swaps_the_plaintext_for_its_hash(token_env):
+    token_env.setenv("POLYSERVE_DEPLOY_TOKEN", TOKEN)
+    given = {"POLYSERVE_DEPLOY_TOKEN": TOKEN}
+    settings.load(given)  # another mapping: neither it nor os.environ is changed
+    assert given == {"POLYSERVE_DEPLOY_TOKEN": TOKEN}
+    assert os.environ["POLYSERVE_DEPLOY_TOKEN"] == TOKEN
+    # The gunicorn config, on_starting and every worker's app each load: same digest.
+    loads = [settings.load() for _ in range(3)]
+    assert {s.deploy_token_sha256 for s in loads} == {TOKEN_SHA256}
+    assert "POLYSERVE_DEPLOY_TOKEN" not in os.environ
+    assert os.environ["POLYSERVE_DEPLOY_TOKEN_SHA256"] == TOKEN_SHA256
+    # Unset in the C environment too: a child process does not inherit it.
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(sorted(os.environ.items()))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert TOKEN not in child and "'POLYSERVE_DEPLOY_TOKEN'" not in child
+    assert TOKEN_SHA256 in child
+
+
+def test_forget_token_rewrites_any_mapping():
+    env = {"POLYSERVE_DEPLOY_TOKEN": TOKEN, "PATH": "/bin"}
+    settings.forget_token(env)
+    assert env == {"POLYSERVE_DEPLOY_TOKEN_SHA256": TOKEN_SHA256, "PATH": "/bin"}
+    empty = {"POLYSERVE_DEPLOY_TOKEN": ""}
+    settings.forget_token(empty)
+    assert empty == {}
+
+
+def test_the_scrubbed_environment_has_no_token_variables(token_env):
+    token_env.setenv("POLYSERVE_DEPLOY_TOKEN_SHA256", TOKEN_SHA256)
+    token_env.setenv("POLYSERVE_IDLE_TTL", "5")
+    scrubbed = settings.scrubbed_environ()
+    assert "POLYSERVE_DEPLOY_TOKEN_SHA256" not in scrubbed
+    assert scrubbed["POLYSERVE_IDLE_TTL"] == "5" and "PATH" in scrubbed
+    given = {"POLYSERVE_DEPLOY_TOKEN": TOKEN, "HOME": "/h"}
+    assert settings.scrubbed_environ(given) == {"HOME": "/h"}

@@ -25,7 +25,9 @@ def stage(store: Store, content: bytes, filename: str = "space.tar"):
 def publish(store: Store, space: str, files: dict[str, str]) -> tuple[int, int]:
     staged = stage(store, make_tar(files))
     with store.locked():
-        return store.publish(space, staged, {"kind": "handle", "import_ms": 1.0})
+        published = store.publish(space, staged, {"kind": "handle", "import_ms": 1.0})
+        store.prune(space, oldest_held=None)
+        return published
 
 
 @pytest.mark.parametrize("name", ["lee101/hello", "a/b", "A-1_x/y.z", "o/" + "n" * 64])
@@ -196,3 +198,68 @@ def test_a_full_space_table_answers_507(store):
         publish(store, "o/one-too-many", {"main.py": ""})
     assert err.value.status == 507 and "POLYSERVE_MAX_SPACES" in err.value.error
     assert store.current("o/one-too-many") is None
+
+
+def test_pruning_keeps_every_version_a_worker_still_holds(store):
+    """A draining request or a slow load may read a version's files: older versions
+    than the oldest one held stay until nobody holds them."""
+    for i in range(KEEP_VERSIONS + 3):
+        publish(store, "o/s", {"main.py": f"A = {i}\n"})
+    with store.locked():
+        store.prune("o/s", oldest_held=1)  # v1 was pruned already: nothing comes back
+    newest = KEEP_VERSIONS + 3
+    staged = stage(store, make_tar({"main.py": "A = -1\n"}))
+    with store.locked():
+        store.publish("o/s", staged, {"kind": "handle", "import_ms": 1.0})
+        # the oldest version kept so far is held by a draining worker
+        store.prune("o/s", oldest_held=newest - KEEP_VERSIONS + 1)
+    versions = store.space_dir("o/s") / "versions"
+    kept = sorted(int(p.name) for p in versions.iterdir() if p.is_dir())
+    assert kept == list(range(newest - KEEP_VERSIONS + 1, newest + 2))
+    with store.locked():
+        store.prune("o/s", oldest_held=None)  # the last holder let go
+    kept = sorted(int(p.name) for p in versions.iterdir() if p.is_dir())
+    assert kept == list(range(newest + 2 - KEEP_VERSIONS, newest + 2))
+
+
+def test_delete_leaves_held_versions_until_they_are_let_go(store):
+    """Deleting a space removes its versions, except those a worker still uses."""
+    publish(store, "o/s", {"main.py": "A = 1\n"})
+    publish(store, "o/s", {"main.py": "A = 2\n"})
+    versions = store.space_dir("o/s") / "versions"
+    with store.locked():
+        store.delete("o/s")
+        store.prune("o/s", oldest_held=2)
+    assert sorted(p.name for p in versions.iterdir()) == ["2", "2.json"]
+    assert (versions / "2" / "main.py").read_text() == "A = 2\n"
+    with store.locked():
+        store.prune("o/s", oldest_held=None)
+    assert list(versions.iterdir()) == []
+
+
+def test_a_full_table_hands_over_a_deleted_spaces_slot_once_it_is_quiet(store):
+    """With every slot taken, a new space gets the slot of a deleted one that no worker
+    uses any more; the old owner keeps its usage by name, the new one starts from 0."""
+    for i in range(4):
+        publish(store, f"o/s{i}", {"main.py": ""})
+    with store.locked():
+        store.delete("o/s1")
+        store.delete("o/s2")
+    asked: list[int] = []
+
+    def reclaim(slot: int) -> tuple[int, ...] | None:
+        asked.append(slot)
+        return None if slot == 1 else (10, 1, 500, 7, 2, 30)  # s1 is still draining
+
+    staged = stage(store, make_tar({"main.py": ""}))
+    with store.locked():
+        slot, version = store.publish("o/new", staged, {}, reclaim=reclaim)
+    assert (slot, version, asked) == (2, 1, [1, 2])
+    assert store.slot("o/new") == 2 and store.slot("o/s2") is None
+    ledger = Store(store.root, max_spaces=4).ledger()  # as a fresh process reads the log
+    assert ledger.names == ["o/s0", "o/s1", "o/new", "o/s3"]
+    assert ledger.offsets == {2: (-10, -1, -500, -7, -2, -30)}
+    assert ledger.retired == {"o/s2": (10, 1, 500, 7, 2, 30)}
+    with pytest.raises(StoreError) as err:  # s1 never became quiet: no slot is left
+        publish(store, "o/another", {"main.py": ""})
+    assert err.value.status == 507

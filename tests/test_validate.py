@@ -42,6 +42,24 @@ def test_a_good_module_reports_kind_and_import_time_and_leaves_bytecode(tmp_path
         ("def handle(r):\n  return (\n", "main.py, line 2: SyntaxError"),
         ("x = 1\n\n1 / 0\n", "main.py, line 3: ZeroDivisionError: division by zero"),
         ("VALUE = 1\n", "neither `app`"),
+        # Imports run on a worker thread, as in a worker: main-thread-only code fails.
+        (
+            "import asyncio\nLOOP = asyncio.get_event_loop()\ndef handle(r): return 1\n",
+            "main.py, line 2: RuntimeError",
+        ),
+        (
+            "import signal\nsignal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
+            "def handle(r): return 1\n",
+            "main.py, line 2: ValueError",
+        ),
+        # The lifespan startup runs too.
+        (
+            "import contextlib\nfrom starlette.applications import Starlette\n"
+            "@contextlib.asynccontextmanager\nasync def lifespan(app):\n"
+            "    raise RuntimeError('no weights')\n    yield\n"
+            "app = Starlette(lifespan=lifespan)\n",
+            "(?s)startup failed.*no weights",
+        ),
     ],
 )
 def test_a_bad_module_says_what_to_fix(tmp_path, source, message):
@@ -78,3 +96,16 @@ def test_stderr_of_the_import_is_returned(tmp_path):
             tmp_path, "import sys\nsys.stderr.write('model.onnx not found')\nraise SystemExit(1)\n"
         )
     assert "model.onnx not found" in err.value.details["stderr"]
+
+
+def test_only_the_tail_of_the_imports_output_is_kept(tmp_path):
+    """An import that writes 8 MiB to stderr gets back a `stderr` of at most a few KiB:
+    the end of what it wrote."""
+    with pytest.raises(StoreError) as err:
+        check(
+            tmp_path,
+            "import sys\nfor _ in range(8):\n    sys.stderr.write('x' * (1 << 20))\n"
+            "sys.stderr.write('last words')\nraise SystemExit(1)\n",
+        )
+    stderr = err.value.details["stderr"]
+    assert len(stderr) <= 4096 and stderr.endswith("last words")
