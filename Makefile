@@ -28,14 +28,13 @@ build: examples run
 examples: $(VENV)/.installed-build
 	$(BIN)/python examples/python-onnx-tiny/train.py
 
-test: $(VENV)/.installed-dev
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+test: lint
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # Benchmarks never run in `make test`; tests/test_bench.py only checks they run. Writes
 # bench/results/<date>.json, its chart, and BENCHMARKS.md (about 5 minutes).

@@ -30,8 +30,8 @@ BUDGET_MS = 500.0
 
 async def timed_call(reg) -> float:
     t0 = time.perf_counter()
-    active = await reg.acquire(SPACE)
-    reg.release(active)
+    active = await reg.lease(SPACE)
+    reg.end_lease(active)
     return (time.perf_counter() - t0) * 1000
 
 

@@ -26,7 +26,7 @@ async def load_all(data_dir: Path, spaces: int) -> dict[str, float]:
     reg = harness.registry(data_dir, time.monotonic, max_spaces=spaces)
 
     async def call(i: int) -> None:
-        reg.release(await reg.acquire(f"bench/s{i}"))
+        reg.end_lease(await reg.lease(f"bench/s{i}"))
 
     await call(0)  # the first load brings onnxruntime and numpy in: not per-space memory
     gc.collect()

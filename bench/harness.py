@@ -233,7 +233,7 @@ def publish_example(data_dir: Path, space: str, max_spaces: int = 16) -> None:
 
 def registry(data_dir: Path, clock, max_spaces: int = 16):
     """One worker's registry over a private table, as a worker builds it."""
-    from polyserve.control import Control
+    from polyserve.broadcast import Broadcast
     from polyserve.meter import CELLS, Meter
     from polyserve.shm import Table
     from polyserve.spaces import Registry
@@ -242,7 +242,7 @@ def registry(data_dir: Path, clock, max_spaces: int = 16):
     table = Table.anonymous(1, max_spaces, CELLS)
     return Registry(
         Store(data_dir, max_spaces),
-        Control(table, 0),
+        Broadcast(table, 0),
         Meter(table, 0),
         idle_ttl=1.0,
         start_timeout=30.0,

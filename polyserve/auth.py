@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from polyserve import settings as settings_mod
-from polyserve.store import StoreError, parse_space
+from polyserve.errors import ClientError
+from polyserve.names import is_owner, parse_space
 
-EXIT_BAD_TOKENS_FILE = 5  # named exit code: the master refused a bad tokens file
+# Named exit codes from sysexits.h, each meaning one thing (gunicorn's own are 1, 3, 4).
+EXIT_BAD_TOKENS_FILE = os.EX_CONFIG  # 78: the master refused a bad tokens file
 _HASH = re.compile(r"[0-9a-fA-F]{64}")
 
 log = logging.getLogger("polyserve")
@@ -56,13 +58,11 @@ def load_tokens(path: Path) -> dict[str, list[str]]:
                 f"{where}: expected `owner sha256-hex-of-token`, got {len(fields)} field(s)"
             )
         owner, hashed = fields
-        try:
-            parse_space(f"{owner}/x")  # the owner part of a space name; so never "*"
-        except StoreError:
+        if not is_owner(owner):  # the owner part of a space name; so never "*"
             raise ValueError(
                 f"{where}: invalid owner {owner[:70]!r}: 1-64 of letters, digits, '.', '_',"
                 " '-', not starting with '.'"
-            ) from None
+            )
         if not _HASH.fullmatch(hashed):
             raise ValueError(
                 f"{where}: the token hash must be 64 hex digits (a SHA-256), got"
@@ -115,20 +115,20 @@ class Auth:
             return load_tokens(self.tokens_file)
         except ValueError as exc:
             log.error("POLYSERVE_TOKENS_FILE: %s", exc)
-            raise StoreError(
+            raise ClientError(
                 503,
                 "the host's tokens file (POLYSERVE_TOKENS_FILE) is unreadable or invalid;"
                 " the host log says where",
             ) from None
 
-    def identify(self, authorization: str | None, client: str | None) -> str | None:
+    def identify(self, authorization: str | None, client: str | None) -> str:
         """Who is asking, before the body is read: "*" for the admin (or a loopback client
-        on a host without tokens), an owner name, or a StoreError (401/403; 503 when the
+        on a host without tokens), an owner name, or a ClientError (401/403; 503 when the
         tokens file has gone bad)."""
         if not self.configured:
             if _loopback(client):
                 return "*"
-            raise StoreError(
+            raise ClientError(
                 403,
                 "control-plane writes from other hosts need a token: set"
                 " POLYSERVE_DEPLOY_TOKEN_SHA256 (or POLYSERVE_DEPLOY_TOKEN) or"
@@ -136,7 +136,7 @@ class Auth:
             )
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise StoreError(401, "this host requires a token: send Authorization: Bearer <token>")
+            raise ClientError(401, "this host requires a token: send Authorization: Bearer <token>")
         presented = digest(token.strip())
         if self.admin is not None and hmac.compare_digest(presented, self.admin):
             return "*"
@@ -146,7 +146,7 @@ class Auth:
                 if hmac.compare_digest(presented, hashed):
                     matched = owner
         if matched is None:
-            raise StoreError(401, "invalid token")
+            raise ClientError(401, "invalid token")
         return matched
 
     @staticmethod
@@ -154,7 +154,7 @@ class Auth:
         """An owner's token writes only owner/*; raises 403 otherwise."""
         owner = parse_space(space).split("/")[0]
         if who != "*" and who != owner:
-            raise StoreError(403, f"this token may only write spaces of {who}/*", space=space)
+            raise ClientError(403, f"this token may only write spaces of {who}/*", space=space)
 
 
 def _loopback(client: str | None) -> bool:

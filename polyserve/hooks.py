@@ -20,7 +20,8 @@ from polyserve import settings as settings_mod
 from polyserve.shm import H_STARTED, Table, segment_name
 from polyserve.store import Store
 
-EXIT_DATA_DIR_BUSY = 4  # named exit code: another master serves this data directory
+# sysexits.h's "try again later" (gunicorn's own codes are 1, 3 and 4, APP_LOAD_ERROR).
+EXIT_DATA_DIR_BUSY = os.EX_TEMPFAIL  # 75: another master serves this data directory
 CHECKPOINT = "usage.json"
 _PR_SET_PDEATHSIG = 1
 _SHM_DIR = "/dev/shm"  # where Linux keeps the POSIX shared memory segments, by name
@@ -156,7 +157,9 @@ class _Master:
                 _add_late_counts(self.table, leftover.table, leftover.taken)
                 leftover.table.close()
                 self.log.info("counted what the workers of the master that died answered since")
-            meter.checkpoint(self.table, self.store.ledger(), self.checkpoint_path, meter.now_us())
+            meter.checkpoint(
+                self.table, self.store.slots.ledger(), self.checkpoint_path, meter.now_us()
+            )
 
     def drain(self, timeout: float) -> None:
         """At exit: give the dead master's workers `timeout` s more, then kill them, as
@@ -273,12 +276,13 @@ def _create_table(
     name = segment_name(str(store.root))
     attached = Table.attach(name)
     leftover = None
+    earlier: np.ndarray | None
     if attached is not None:
         earlier = meter.leftover_totals(attached)
         leftover = _Leftover(attached, name, earlier)  # unlinks its name
         server.log.warning("recovered usage from the segment of a master that died")
     else:
-        earlier = meter.checkpoint_totals(store.root / CHECKPOINT, store.ledger())
+        earlier = meter.checkpoint_totals(store.root / CHECKPOINT, store.slots.ledger())
     table = Table.create(name, worker_slots(s.workers), s.max_spaces, meter.CELLS)
     table.set_header(H_STARTED, time.time_ns() // 1000)
     if earlier is not None:

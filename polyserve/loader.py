@@ -22,7 +22,7 @@ import re
 import sys
 import threading
 import traceback
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,11 +32,7 @@ import anyio
 import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-
-Scope = MutableMapping[str, Any]
-ASGIApp = Callable[
-    [Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]
-]
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("polyserve")
 _real_import = builtins.__import__
@@ -49,11 +45,11 @@ _counter_lock = threading.Lock()
 class LoadError(Exception):
     """A version that cannot be imported or started; details say where and why."""
 
-    def __init__(self, message: str, **details: object) -> None:
-        if len(message) > MESSAGE_MAX:  # an exception's text is the tenant's: bound it
-            message = message[:MESSAGE_MAX] + f"… ({len(message)} characters)"
-        super().__init__(message)
-        self.details = {"error": message, **details}
+    def __init__(self, error: str, **details: object) -> None:
+        if len(error) > MESSAGE_MAX:  # an exception's text is the tenant's: bound it
+            error = error[:MESSAGE_MAX] + f"… ({len(error)} characters)"
+        super().__init__(error)
+        self.details = {"error": error, **details}
 
 
 # -- the import machinery -----------------------------------------------------------
@@ -77,7 +73,9 @@ class _SpaceFinder:
     def __init__(self) -> None:
         self.packages: dict[str, tuple[Path, dict[str, Any]]] = {}
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
         top, dot, _ = fullname.partition(".")
         found = self.packages.get(top)
         if found is None:
@@ -87,7 +85,7 @@ class _SpaceFinder:
             spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
             spec.submodule_search_locations = [str(root)]
             return spec
-        details = [
+        details: list[tuple[Any, list[str]]] = [
             (
                 partial(_SpaceLoader, space_builtins=space_builtins),
                 importlib.machinery.SOURCE_SUFFIXES,
@@ -95,9 +93,9 @@ class _SpaceFinder:
             (importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES),
         ]
         for entry in path or ():
-            spec = importlib.machinery.FileFinder(entry, *details).find_spec(fullname, target)
-            if spec is not None:
-                return spec
+            module = importlib.machinery.FileFinder(entry, *details).find_spec(fullname, target)
+            if module is not None:
+                return module
         return None
 
 
@@ -169,7 +167,7 @@ def import_version(
         raise
     except (Exception, SystemExit) as exc:  # sys.exit() at import is the tenant's error too
         forget(package)
-        raise LoadError(**describe(exc, root)) from exc
+        raise LoadError(**describe(exc, root)) from exc  # type: ignore[arg-type]
     return Imported(space, version, package, module, kind, app, root)
 
 
@@ -217,7 +215,7 @@ def describe(exc: BaseException, root: Path) -> dict[str, object]:
         file = file[len(str(root)) + 1 :]
     where = f"{file}, line {line}: " if file else ""
     return {
-        "message": f"import failed: {where}{scrub_paths(message, root)}",
+        "error": f"import failed: {where}{scrub_paths(message, root)}",
         "file": file,
         "line": line,
     }
@@ -248,7 +246,7 @@ class HandleApp:
         # Made on the event loop at the first sync call: the import runs on a thread.
         self.limiter: anyio.CapacityLimiter | None = None
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1003})

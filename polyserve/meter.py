@@ -24,13 +24,14 @@ import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
 import numpy as np
 
 from polyserve.shm import H_ALIVE, H_STARTED, Table
-from polyserve.store import Ledger
+from polyserve.slots import Ledger
 
 
 class Cell(IntEnum):
@@ -106,7 +107,7 @@ class Meter:
 
 
 def rss_bytes() -> int:
-    """This process's resident set size, from /proc (about 10 µs)."""
+    """This process's resident set size, from /proc: cheap enough to read at every load."""
     with open("/proc/self/statm", "rb") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -137,11 +138,22 @@ def reclaimable(table: Table, slot: int) -> tuple[int, ...] | None:
     return tuple(int(v) for v in cells[:, _TOTAL_CELLS].sum(axis=0))
 
 
-def _by_name(table: Table, ledger: Ledger, now: int) -> tuple[list[str], np.ndarray]:
+def totals(table: Table, now: int) -> np.ndarray:
+    """Per-slot totals (S, C) over every row, open stretches counted up to `now`."""
+    cells = table.cell_array()
+    summed = cells.sum(axis=0)
+    since = cells[:, :, Cell.LOADED_SINCE_US]
+    # A stretch that began after `now` (possible when recovering up to a dead master's
+    # last checkpoint) counts nothing rather than something negative.
+    summed[:, Cell.RESIDENT_US] += np.where(since > 0, np.maximum(now - since, 0), 0).sum(axis=0)
+    return summed
+
+
+def _by_name(table: Table, summed: np.ndarray, ledger: Ledger) -> tuple[list[str], np.ndarray]:
     """Names and their (N, C) totals: slot owners (raw totals plus the ledger's offsets),
     then the names whose slots were handed over, with what they used there."""
     n = min(len(ledger.names), table.space_slots)
-    t = totals(table, now)[:n]
+    t = summed[:n].copy()
     for slot, offset in ledger.offsets.items():
         if slot < n:
             t[slot, _TOTAL_CELLS] += offset
@@ -154,39 +166,59 @@ def _by_name(table: Table, ledger: Ledger, now: int) -> tuple[list[str], np.ndar
     return names, t
 
 
-def totals(table: Table, now: int) -> np.ndarray:
-    """Per-slot totals (S, C) over every row, open stretches counted up to `now`."""
-    cells = table.cell_array()
-    summed = cells.sum(axis=0)
-    since = cells[:, :, Cell.LOADED_SINCE_US]
-    # A stretch that began after `now` (possible when recovering up to a dead master's
-    # last checkpoint) counts nothing rather than something negative.
-    summed[:, Cell.RESIDENT_US] += np.where(since > 0, np.maximum(now - since, 0), 0).sum(axis=0)
-    return summed
+@dataclass(frozen=True)
+class Snapshot:
+    """The usage table read once, per space name, in base units (counts, µs, bytes):
+    what the usage JSON and the Prometheus exposition both render."""
+
+    names: list[str]
+    totals: np.ndarray  # (N, C): the TOTALS cells per name, ledger offsets applied
+    workers_loaded: np.ndarray  # (N,): workers holding the space now
+    last_import_us: np.ndarray  # (N,): the latest load, the largest over the workers
+    memory_bytes: np.ndarray  # (N,): what the latest load added, the largest over workers
+    workers: int  # live workers
+    uptime_us: int  # since the master started (wall clock)
+    busy_us: int  # every space's busy time, the host's total
+    in_flight: int  # requests in flight on the host
 
 
-def usage(table: Table, ledger: Ledger, now: int) -> dict[str, object]:
-    """The /_polyserve/usage answer: the seed's four fields per space, and more."""
+def snapshot(table: Table, ledger: Ledger, now: int) -> Snapshot:
+    """Read every worker's row and sum: `now` is monotonic µs (now_us)."""
     cells = table.cell_array()
     summed = totals(table, now)
-    names, t = _by_name(table, ledger, now)
+    names, t = _by_name(table, summed, ledger)
     n = min(len(ledger.names), table.space_slots)
-    pad = len(names) - n  # names without a slot: not loaded anywhere, no latest load
-    loaded_in = np.pad((cells[:, :n, Cell.LOADED_SINCE_US] > 0).sum(axis=0), (0, pad))
-    # Column by column in numpy, then one comprehension: with 10,000 spaces a
-    # per-space loop of arithmetic took 19 ms of the answer.
+    pad = (0, len(names) - n)  # names without a slot: not loaded anywhere, no latest load
+    started = table.header(H_STARTED)
+    return Snapshot(
+        names=names,
+        totals=t,
+        workers_loaded=np.pad((cells[:, :n, Cell.LOADED_SINCE_US] > 0).sum(axis=0), pad),
+        last_import_us=np.pad(cells[:, :n, Cell.LAST_IMPORT_US].max(axis=0), pad),
+        memory_bytes=np.pad(cells[:, :n, Cell.RSS_BYTES].max(axis=0), pad),
+        workers=int(np.count_nonzero(table.pids)),
+        uptime_us=time.time_ns() // 1000 - started if started else 0,
+        busy_us=int(summed[:, Cell.BUSY_US].sum()),
+        in_flight=int(table.inflight_array().sum()),
+    )
+
+
+def usage(snap: Snapshot) -> dict[str, object]:
+    """The /_polyserve/usage answer: the seed's four fields per space, and more."""
+    t = snap.totals
+    # Column by column in numpy, then one comprehension: a per-space loop of arithmetic
+    # was most of the answer's time at 10,000 spaces.
     columns = zip(
-        names,
+        snap.names,
         t[:, Cell.REQUESTS].tolist(),
         (t[:, Cell.BUSY_US] // 1000).tolist(),
         (t[:, Cell.RESIDENT_US] // 1_000_000).tolist(),
-        (loaded_in > 0).tolist(),
+        (snap.workers_loaded > 0).tolist(),
         t[:, Cell.ERRORS].tolist(),
         t[:, Cell.LOADS].tolist(),
-        loaded_in.tolist(),
-        # "Latest" cells: the largest value over the workers, which load independently.
-        (np.pad(cells[:, :n, Cell.LAST_IMPORT_US].max(axis=0), (0, pad)) / 1000).round(3).tolist(),
-        (np.pad(cells[:, :n, Cell.RSS_BYTES].max(axis=0), (0, pad)) // 1024).tolist(),
+        snap.workers_loaded.tolist(),
+        (snap.last_import_us / 1000).round(3).tolist(),
+        (snap.memory_bytes // 1024).tolist(),
         strict=True,
     )
     spaces = {
@@ -203,15 +235,13 @@ def usage(table: Table, ledger: Ledger, now: int) -> dict[str, object]:
         }
         for name, r, b, w, lo, e, c, wl, li, k in columns
     }
-    pids = table.pids.tolist()
-    started = table.header(H_STARTED)
     return {
         "spaces": spaces,
         "host": {
-            "workers": sum(1 for p in pids if p),
-            "uptime_s": round(time.time() - started / 1e6, 3) if started else 0,
-            "busy_ms": int(summed[:, Cell.BUSY_US].sum()) // 1000,
-            "in_flight": int(table.inflight_array().sum()),
+            "workers": snap.workers,
+            "uptime_s": round(snap.uptime_us / 1e6, 3),
+            "busy_ms": snap.busy_us // 1000,
+            "in_flight": snap.in_flight,
         },
     }
 
@@ -221,7 +251,7 @@ def usage(table: Table, ledger: Ledger, now: int) -> dict[str, object]:
 
 def checkpoint(table: Table, ledger: Ledger, path: Path, now: int) -> None:
     """Write every space's totals (open stretches counted to now) atomically to path."""
-    names, t = _by_name(table, ledger, now)
+    names, t = _by_name(table, totals(table, now), ledger)
     data = {
         "format": 1,
         "saved_at": time.time(),

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from polyserve import __version__
+from polyserve.names import PART
 
-_PART = "[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}"
-NAME_PART = f"^{_PART}$"
-SPACE = f"^{_PART}/{_PART}$"
+NAME_PART = f"^{PART}$"
+SPACE = f"^{PART}/{PART}$"
 
 
 def _error(description: str) -> dict[str, Any]:

@@ -1,92 +1,93 @@
-"""Prometheus exposition of the usage table, through prometheus_client's own text format."""
+"""Prometheus exposition of a usage snapshot, through prometheus_client's own text format."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
+import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from polyserve.meter import Cell, Snapshot
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-# (usage field, metric name, kind, units per base unit, help); dividing (not multiplying
-# by 1e-3) keeps 26 ms as 0.026 s exactly.
-_SPACE_METRICS = (
-    ("requests", "polyserve_space_requests", "counter", 1, "Requests answered by the space."),
-    ("errors", "polyserve_space_errors", "counter", 1, "Requests the space answered 5xx."),
+
+def _total(cell: Cell, per_unit: float = 1) -> Callable[[Snapshot], np.ndarray]:
+    return lambda snap: snap.totals[:, cell] / per_unit
+
+
+# (metric name, counter or gauge, help, the values per space in the metric's unit). From
+# the snapshot's base units, so seconds keep microsecond resolution.
+_SPACE_METRICS: tuple[tuple[str, bool, str, Callable[[Snapshot], np.ndarray]], ...] = (
+    ("polyserve_space_requests", True, "Requests answered by the space.", _total(Cell.REQUESTS)),
+    ("polyserve_space_errors", True, "Requests the space answered 5xx.", _total(Cell.ERRORS)),
     (
-        "busy_ms",
         "polyserve_space_busy_seconds",
-        "counter",
-        1000,
+        True,
         "Time from dispatch to the space until its responses completed.",
+        _total(Cell.BUSY_US, 1e6),
     ),
     (
-        "warm_s",
         "polyserve_space_warm_seconds",
-        "counter",
-        1,
+        True,
         "Residency: seconds loaded, summed over the workers holding the space.",
+        _total(Cell.RESIDENT_US, 1e6),
     ),
     (
-        "cold_starts",
         "polyserve_space_cold_starts",
-        "counter",
-        1,
+        True,
         "Imports of the space (first request, after idle release, after a deploy).",
+        _total(Cell.LOADS),
     ),
     (
-        "workers_loaded",
         "polyserve_space_workers_loaded",
-        "gauge",
-        1,
+        False,
         "Workers that hold the space now.",
+        lambda snap: snap.workers_loaded,
     ),
     (
-        "last_import_ms",
         "polyserve_space_last_import_seconds",
-        "gauge",
-        1000,
+        False,
         "Duration of the latest import and startup of the space in a worker.",
+        lambda snap: snap.last_import_us / 1e6,
     ),
     (
-        "rss_kib",
         "polyserve_space_memory_bytes",
-        "gauge",
-        1 / 1024,
+        False,
         "Resident memory the latest load of the space added to its worker.",
+        lambda snap: snap.memory_bytes,
     ),
 )
 
 
-class _UsageCollector:
-    def __init__(self, usage: dict[str, Any]) -> None:
-        self.usage = usage
+class _SnapshotCollector:
+    def __init__(self, snap: Snapshot) -> None:
+        self.snap = snap
 
     def collect(self) -> Iterator[Metric]:
-        spaces = self.usage["spaces"]
-        for field, name, kind, per_unit, doc in _SPACE_METRICS:
-            family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            family = family_type(name, doc, labels=["space"])
-            for space, values in spaces.items():
-                family.add_metric([space], values[field] / per_unit)
+        snap = self.snap
+        for name, counter, doc, values in _SPACE_METRICS:
+            family = (CounterMetricFamily if counter else GaugeMetricFamily)(
+                name, doc, labels=["space"]
+            )
+            for space, value in zip(snap.names, values(snap).tolist(), strict=True):
+                family.add_metric([space], value)
             yield family
-        host = self.usage["host"]
+        yield GaugeMetricFamily("polyserve_workers", "Live worker processes.", value=snap.workers)
         yield GaugeMetricFamily(
-            "polyserve_workers", "Live worker processes.", value=host["workers"]
+            "polyserve_in_flight", "Requests in flight on this host.", value=snap.in_flight
         )
         yield GaugeMetricFamily(
-            "polyserve_in_flight", "Requests in flight on this host.", value=host["in_flight"]
-        )
-        yield GaugeMetricFamily(
-            "polyserve_uptime_seconds", "Seconds since the master started.", value=host["uptime_s"]
+            "polyserve_uptime_seconds",
+            "Seconds since the master started.",
+            value=snap.uptime_us / 1e6,
         )
 
 
-def exposition(usage: dict[str, Any]) -> bytes:
+def exposition(snap: Snapshot) -> bytes:
     """The Prometheus text format for one usage snapshot."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_UsageCollector(usage))
+    registry.register(_SnapshotCollector(snap))
     return generate_latest(registry)

@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import mmap
 import os
+from collections.abc import Iterator
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -45,8 +46,13 @@ def segment_name(data_dir: str) -> str:
     return f"polyserve-{digest}"
 
 
+def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
+    assert shm.buf is not None  # None only once closed
+    return shm.buf
+
+
 @contextlib.contextmanager
-def _untracked():
+def _untracked() -> Iterator[None]:
     # Python < 3.13 registers every SharedMemory with the resource tracker, which
     # spawns a helper process and unlinks (with a warning) segments it thinks leaked
     # when the master exits; unlink() unregisters, which spawns one too and makes it
@@ -137,7 +143,7 @@ class Table:
             shm = shared_memory.SharedMemory(
                 name=name, create=True, size=cls.size_for(worker_slots, space_slots, cells)
             )
-        table = cls(shm.buf, worker_slots, space_slots, cells, shm=shm)
+        table = cls(_buffer(shm), worker_slots, space_slots, cells, shm=shm)
         table._init_header()
         return table
 
@@ -149,14 +155,14 @@ class Table:
                 shm = shared_memory.SharedMemory(name=name)
             except FileNotFoundError:
                 return None
-        header = memoryview(shm.buf).cast("q")[:HEADER_WORDS].tolist()
+        header = _buffer(shm).cast("q")[:HEADER_WORDS].tolist()
         magic, layout, w, s, c = header[:5]
         if (magic, layout) != (MAGIC, LAYOUT_VERSION) or shm.size < cls.size_for(w, s, c):
             shm.close()
             with _untracked():
                 shm.unlink()  # not ours to read: an older layout. The checkpoint covers it.
             return None
-        return cls(shm.buf, w, s, c, shm=shm)
+        return cls(_buffer(shm), w, s, c, shm=shm)
 
     @classmethod
     def anonymous(cls, worker_slots: int, space_slots: int, cells: int) -> Table:

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 import anyio.to_thread
 
 from polyserve import loader
-from polyserve.control import Control
+from polyserve.broadcast import Broadcast
+from polyserve.errors import ClientError
 from polyserve.meter import Meter, rss_bytes
-from polyserve.store import Store, StoreError, Version, parse_space
+from polyserve.names import parse_space
+from polyserve.store import Store, Version
 
 log = logging.getLogger("polyserve")
 COLLECT_INTERVAL_S = 1.0
@@ -37,7 +39,7 @@ class Active:
     version: Version
     slot: int
     generation: int  # the space's generation word when this was found current
-    release: int  # the space's release word when this was loaded
+    releases: int  # the space's release word when this was loaded
     last_used: float
     inflight: int = 0
     retired: bool = False
@@ -49,7 +51,7 @@ class Registry:
     def __init__(
         self,
         store: Store,
-        control: Control,
+        broadcast: Broadcast,
         meter: Meter,
         idle_ttl: float,
         start_timeout: float,
@@ -58,7 +60,7 @@ class Registry:
         host_limiter: anyio.CapacityLimiter | None = None,
     ) -> None:
         self.store = store
-        self.control = control
+        self.broadcast = broadcast
         self.meter = meter
         self.idle_ttl = idle_ttl
         self.start_timeout = start_timeout
@@ -74,18 +76,18 @@ class Registry:
         self._slots: dict[str, int] = {}
         self._loading: dict[str, asyncio.Task[Active]] = {}
         # Version numbers held per space (draining and loading ones included); the
-        # oldest is published in the shared table (Control.hold).
+        # oldest is published in the shared table (Broadcast.hold).
         self._held: dict[str, list[int]] = {}
 
     # -- the request path -----------------------------------------------------------
 
-    async def acquire(self, space: str) -> Active:
-        """The version to serve this request with; pair with release()."""
+    async def lease(self, space: str) -> Active:
+        """The version to serve this request with, leased until end_lease()."""
         while True:
             slot = self._slots.get(space)
             if slot is None:
                 slot = self._find_slot(space)
-            generation = self.control.generation(slot)
+            generation = self.broadcast.generation(slot)
             active = self.active.get(space)
             if active is not None and active.generation == generation:
                 active.inflight += 1
@@ -95,7 +97,7 @@ class Registry:
             task = self._loading.get(space) or self._start_load(space, slot, generation)
             await asyncio.shield(task)  # a caller that gives up must not cancel the load
 
-    def release(self, active: Active) -> None:
+    def end_lease(self, active: Active) -> None:
         active.inflight -= 1
         active.last_used = self.clock()  # the idle clock starts when a request ends
         if active.retired and active.inflight == 0:
@@ -107,12 +109,12 @@ class Registry:
     def _find_slot(self, space: str) -> int:
         try:
             parse_space(space)
-        except StoreError:
+        except ClientError:
             raise NotDeployed(space) from None
-        slot = self.store.slot(space)
+        slot = self.store.slots.slot(space)
         if slot is None:
             raise NotDeployed(space)
-        if slot >= self.control.table.space_slots:
+        if slot >= self.broadcast.table.space_slots:
             raise loader.LoadError(
                 f"space slot {slot} is outside the shared table: raise POLYSERVE_MAX_SPACES"
             )
@@ -138,25 +140,25 @@ class Registry:
             raise
         finally:
             # Unregister before the task is done: a done task left in _loading would
-            # let acquire() await it without yielding, in a loop that never ends.
+            # let lease() await it without yielding, in a loop that never ends.
             del self._loading[space]
 
     async def _load(self, space: str, slot: int, generation: int) -> Active:
         current = self.active.get(space)
-        self.store.refresh_slots()
-        if self.store.slot(space) != slot:  # the space was deleted and its slot handed over
+        self.store.slots.refresh()
+        if self.store.slots.slot(space) != slot:  # the space was deleted and its slot handed over
             if current is not None:
                 self._retire(current)
-            self._slots.pop(space, None)  # acquire() looks it up again
+            self._slots.pop(space, None)  # lease() looks it up again
             slot = self._find_slot(space)
-            generation = self.control.generation(slot)
+            generation = self.broadcast.generation(slot)
         version = self._hold_current(space, slot)
         if version is None:
             if current is not None:
                 self._retire(current)
             raise NotDeployed(space)
-        release = self.control.release_count(slot)
-        if current is not None and current.version == version and current.release == release:
+        releases = self.broadcast.releases(slot)
+        if current is not None and current.version == version and current.releases == releases:
             self._unhold(space, slot, version.number)  # the Active holds it already
             current.generation = generation  # a bump that did not change the version
             return current
@@ -178,7 +180,7 @@ class Registry:
         # Memory the load added: approximate when other work runs at the same time.
         self.meter.loaded(slot, started_us, rss_bytes() - rss_before)
         now = self.clock()
-        active = Active(imported, version, slot, generation, release, last_used=now)
+        active = Active(imported, version, slot, generation, releases, last_used=now)
         # The switch: from here on new requests get the new version.
         self.active[space] = active
         if current is not None:
@@ -193,7 +195,7 @@ class Registry:
         return active
 
     def _hold_current(self, space: str, slot: int) -> Version | None:
-        """The current version, held (Control.hold) before any of its files is read.
+        """The current version, held (Broadcast.hold) before any of its files is read.
         Held, then read again: a version still current after the hold is visible can no
         longer be pruned, since pruning reads the holds after it moves `current`."""
         version = self.store.current(space)
@@ -209,14 +211,14 @@ class Registry:
     def _hold(self, space: str, slot: int, number: int) -> None:
         held = self._held.setdefault(space, [])
         held.append(number)
-        self.control.hold(slot, min(held))
+        self.broadcast.hold(slot, min(held))
 
     def _unhold(self, space: str, slot: int, number: int) -> None:
         held = self._held[space]
         held.remove(number)
         if not held:
             del self._held[space]
-        self.control.hold(slot, min(held, default=0))
+        self.broadcast.hold(slot, min(held, default=0))
 
     def _retire(self, active: Active) -> None:
         if self.active.get(active.imported.space) is active:
@@ -238,13 +240,15 @@ class Registry:
 
     async def _stop(self, active: Active) -> None:
         await loader.stop(active.imported, self.start_timeout)
-        # The version may have been the last thing keeping older ones on disk.
-        await anyio.to_thread.run_sync(self._prune, active, limiter=self.host_limiter)
+        # The version may have been the last thing keeping older ones on disk. (Not the
+        # Active itself to the thread: an idle worker thread keeps its last arguments.)
+        space, slot = active.imported.space, active.slot
+        await anyio.to_thread.run_sync(self._prune, space, slot, limiter=self.host_limiter)
         self._collect_soon()  # last: until this task ends, it holds the version
 
-    def _prune(self, active: Active) -> None:
+    def _prune(self, space: str, slot: int) -> None:
         with self.store.locked():
-            self.store.prune(active.imported.space, self.control.oldest_held(active.slot))
+            self.store.prune(space, self.broadcast.oldest_held(slot))
 
     def _collect_soon(self) -> None:
         """A dropped version's modules are reference cycles (functions hold their module's
@@ -263,18 +267,18 @@ class Registry:
             _malloc_trim(0)
         self._collected = asyncio.get_running_loop().time()
 
-    # -- control signal and idle release ------------------------------------------------
+    # -- broadcast signal and idle release ------------------------------------------------
 
     def refresh(self) -> None:
-        """On the control signal: drop every held space released on demand, and start
+        """On the broadcast signal: drop every held space released on demand, and start
         loading every other one whose generation moved, so a swap happens before the
         next request asks for it."""
         for space, active in list(self.active.items()):
             slot = self._slots[space]
-            generation = self.control.generation(slot)
+            generation = self.broadcast.generation(slot)
             if generation == active.generation or space in self._loading:
                 continue
-            if self.control.release_count(slot) != active.release:
+            if self.broadcast.releases(slot) != active.releases:
                 self._retire(active)  # released on demand: the next request imports it
             else:
                 # A failure is logged; the next request retries and reports it.

@@ -9,10 +9,9 @@ import tarfile
 import tomllib
 import zlib
 from pathlib import Path
-from typing import BinaryIO, NoReturn
+from typing import IO, BinaryIO, NoReturn, cast
 
-# store.py imports this module inside Store.stage, not at its top, so this is no cycle.
-from polyserve.store import _DISK_FULL, StoreError
+from polyserve.errors import DISK_FULL, ClientError
 
 MANIFEST = "polyserve.toml"
 DEFAULT_ENTRIES = ("main.py", "app.py")
@@ -45,7 +44,7 @@ _TYPE_NAMES = {
 def unpack_upload(upload: BinaryIO, dest: Path, filename: str, max_unpacked: int) -> str:
     """Write an upload into the empty directory dest and return its entry module's name.
 
-    Raises StoreError (4xx) for a refused upload and lets a disk-full OSError through; the
+    Raises ClientError (4xx) for a refused upload and lets a disk-full OSError through; the
     caller removes dest on any error, so files written before a check fails are harmless.
     """
     if filename.endswith(".py"):
@@ -63,18 +62,20 @@ def extract_tar(upload: BinaryIO, dest: Path, max_unpacked: int, filename: str) 
     compressed = upload.read(len(_GZIP_MAGIC)) == _GZIP_MAGIC
     upload.seek(0)
     # Decompressing here rather than in tarfile lets _Counted see every byte, headers too.
-    source: BinaryIO = gzip.GzipFile(fileobj=upload, mode="rb") if compressed else upload
+    source: BinaryIO | gzip.GzipFile = upload
+    if compressed:
+        source = gzip.GzipFile(fileobj=upload, mode="rb")
     stream = _Counted(source, max_unpacked)
     entries = declared = 0
     current = ""
     try:
         # Stream mode reads strictly forward and never holds more than one member's data.
-        with _BoundedTarFile.open(fileobj=stream, mode="r|") as tar:
+        with _BoundedTarFile.open(fileobj=cast(IO[bytes], stream), mode="r|") as tar:
             while (m := tar.next()) is not None:
-                tar.members.clear()  # tarfile keeps every member it has read: drop them
+                tar.members.clear()  # type: ignore[attr-defined]  # tarfile keeps every member it has read: drop them
                 entries += 1
                 if entries > MAX_TAR_ENTRIES:
-                    raise StoreError(422, f"tar has more than {MAX_TAR_ENTRIES} entries")
+                    raise ClientError(422, f"tar has more than {MAX_TAR_ENTRIES} entries")
                 current = m.name
                 name = _checked(m)
                 if not name:
@@ -86,14 +87,14 @@ def extract_tar(upload: BinaryIO, dest: Path, max_unpacked: int, filename: str) 
                         raise _too_big(max_unpacked)
                 # The data filter is a second layer under the checks above.
                 tar.extract(m.replace(name=name, deep=False), dest, filter="data")
-    except StoreError:
+    except ClientError:
         raise
     # ValueError: tarfile's int() of an over-long pax number, or a NUL in a pax path.
     except (tarfile.TarError, EOFError, OSError, ValueError, zlib.error) as exc:
-        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
             raise
         details = {"member": _clip(current)} if current else {}
-        raise StoreError(
+        raise ClientError(
             422,
             "module must be a .py file or a valid tar (plain or gzip): " + _describe(exc, dest),
             filename=_clip(filename),
@@ -107,7 +108,7 @@ def extract_tar(upload: BinaryIO, dest: Path, max_unpacked: int, filename: str) 
 class _Counted:
     """The decompressed tar as tarfile reads it: a 413 once it passes the unpacked cap."""
 
-    def __init__(self, source: BinaryIO, cap: int) -> None:
+    def __init__(self, source: BinaryIO | gzip.GzipFile, cap: int) -> None:
         self.source = source
         self.cap = cap
         self.count = 0
@@ -134,34 +135,36 @@ class _CheckedInfo(tarfile.TarInfo):
         if self.type == tarfile.GNUTYPE_SPARSE:
             _refuse_type(self)
         if self.type not in _EXTENSIONS:
-            return super()._proc_member(tar)
+            return super()._proc_member(tar)  # type: ignore[misc]
         if self.type in _LONG_NAMES:  # the name and its NUL terminator
             if not 0 <= self.size <= MAX_NAME_BYTES + 1:
-                raise StoreError(422, f"tar has a member name longer than {MAX_NAME_BYTES} bytes")
+                raise ClientError(422, f"tar has a member name longer than {MAX_NAME_BYTES} bytes")
         elif not 0 <= self.size <= MAX_EXTENSION_BYTES:
-            raise StoreError(
+            raise ClientError(
                 422, f"tar has a pax header larger than {MAX_EXTENSION_BYTES >> 10} KiB"
             )
         tar.extension_bytes += self.size
         if tar.extension_bytes > MAX_EXTENSION_TOTAL:
-            raise StoreError(
+            raise ClientError(
                 422, f"tar has more than {MAX_EXTENSION_TOTAL >> 20} MiB of pax/long-name headers"
             )
         if tar.extension_depth >= MAX_EXTENSION_CHAIN:
-            raise StoreError(
+            raise ClientError(
                 422, f"tar has more than {MAX_EXTENSION_CHAIN} extension headers in a row"
             )
         tar.extension_depth += 1
         try:
-            member = super()._proc_member(tar)  # reads the data, then the next header
+            member = super()._proc_member(tar)  # type: ignore[misc]  # reads the data, then the next header
         finally:
             tar.extension_depth -= 1
         if len(tar.pax_headers) > MAX_GLOBAL_KEYS:
-            raise StoreError(422, f"tar has more than {MAX_GLOBAL_KEYS} global pax keys")
+            raise ClientError(422, f"tar has more than {MAX_GLOBAL_KEYS} global pax keys")
         return member
 
     def _refuse_sparse(self, *args: object) -> NoReturn:
-        raise StoreError(422, "tar may only hold regular files and directories", type="sparse file")
+        raise ClientError(
+            422, "tar may only hold regular files and directories", type="sparse file"
+        )
 
     _proc_gnusparse_00 = _proc_gnusparse_01 = _proc_gnusparse_10 = _refuse_sparse
 
@@ -175,25 +178,25 @@ class _BoundedTarFile(tarfile.TarFile):
 
 
 def _checked(m: tarfile.TarInfo) -> str:
-    """The member's normalized name, or a StoreError for anything but a plain file or dir."""
+    """The member's normalized name, or a ClientError for anything but a plain file or dir."""
     if not (m.isreg() or m.isdir()):
         # Links and special files are refused outright rather than checked: the tarfile
         # filter bypasses of 2024-2025 all went through links.
         _refuse_type(m)
     if len(m.name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
-        raise StoreError(
+        raise ClientError(
             422, f"tar member name is longer than {MAX_NAME_BYTES} bytes", member=_clip(m.name)
         )
     if m.size < 0:  # base-256 and pax sizes can be negative, which would undercount
-        raise StoreError(422, "tar member has a negative size", member=_clip(m.name))
+        raise ClientError(422, "tar member has a negative size", member=_clip(m.name))
     name = _member_name(m.name)
     if not name and not m.isdir():
-        raise StoreError(422, "tar member has an empty name", member=_clip(m.name))
+        raise ClientError(422, "tar member has an empty name", member=_clip(m.name))
     return name
 
 
 def _refuse_type(m: tarfile.TarInfo) -> NoReturn:
-    raise StoreError(
+    raise ClientError(
         422,
         "tar may only hold regular files and directories",
         member=_clip(m.name),
@@ -204,16 +207,16 @@ def _refuse_type(m: tarfile.TarInfo) -> NoReturn:
 def _member_name(raw: str) -> str:
     """Normalize a tar member name (`tar -C dir .` writes `./main.py`); reject escapes."""
     if raw.startswith("/") or "\\" in raw:
-        raise StoreError(422, "tar member has an absolute or backslash path", member=_clip(raw))
+        raise ClientError(422, "tar member has an absolute or backslash path", member=_clip(raw))
     parts = [p for p in raw.split("/") if p not in ("", ".")]
     if ".." in parts:
-        raise StoreError(422, "tar member path contains '..'", member=_clip(raw))
+        raise ClientError(422, "tar member path contains '..'", member=_clip(raw))
     return "/".join(parts)
 
 
-def _too_big(cap: int) -> StoreError:
+def _too_big(cap: int) -> ClientError:
     size = f"{cap >> 20} MiB" if cap % (1 << 20) == 0 else f"{cap} bytes"
-    return StoreError(
+    return ClientError(
         413, f"tar unpacks to more than {size}, headers included (POLYSERVE_MAX_UNPACKED_MB)"
     )
 
@@ -237,11 +240,11 @@ def _write_source(upload: BinaryIO, dest: Path, filename: str) -> None:
     data = upload.read()  # a .py is at most POLYSERVE_MAX_UPLOAD_MB: it fits in memory
     name = _clip(filename)
     if not data.strip():
-        raise StoreError(422, f"{name} is empty: upload a module that defines app or handle")
+        raise ClientError(422, f"{name} is empty: upload a module that defines app or handle")
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise StoreError(422, f"{name} is not UTF-8 text: {exc}") from None
+        raise ClientError(422, f"{name} is not UTF-8 text: {exc}") from None
     dest.write_bytes(data)
 
 
@@ -249,26 +252,26 @@ def _find_entry(root: Path) -> str:
     manifest = root / MANIFEST
     if manifest.is_file():
         if manifest.stat().st_size > MAX_MANIFEST_BYTES:
-            raise StoreError(422, f"{MANIFEST} is larger than {MAX_MANIFEST_BYTES >> 10} KiB")
+            raise ClientError(422, f"{MANIFEST} is larger than {MAX_MANIFEST_BYTES >> 10} KiB")
         try:
             entry = tomllib.loads(manifest.read_text("utf-8")).get("entry")
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise StoreError(422, f"{MANIFEST} is not valid TOML: {_clip(str(exc))}") from None
+            raise ClientError(422, f"{MANIFEST} is not valid TOML: {_clip(str(exc))}") from None
         if not isinstance(entry, str) or "/" in entry or not entry.endswith(".py"):
-            raise StoreError(
+            raise ClientError(
                 422,
                 f"{MANIFEST}: entry must name a .py file at the top of the tar",
                 entry=entry if entry is None else _clip(entry),
             )
         # Over NAME_MAX, is_file() would raise ENAMETOOLONG rather than say False.
         if len(entry.encode("utf-8", "surrogatepass")) > 255 or not (root / entry).is_file():
-            raise StoreError(422, f"{MANIFEST}: entry {_clip(entry)} is not in the tar")
+            raise ClientError(422, f"{MANIFEST}: entry {_clip(entry)} is not in the tar")
         return entry
     for name in DEFAULT_ENTRIES:
         if (root / name).is_file():
             return name
     top = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())[:10]
-    raise StoreError(
+    raise ClientError(
         422,
         "no entry module: put main.py or app.py at the top of the tar (create it with"
         f" `tar -cf space.tar -C yourdir .`) or name one in {MANIFEST}",

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from polyserve.store import StoreError
+from polyserve.errors import ClientError
 
 STDERR_TAIL = 2000  # bytes of the import's stderr kept for the error body
 _RESULT_MAX = 64 << 10  # the result line is small; anything past this is tenant noise
@@ -30,7 +30,7 @@ _CHUNK = 64 << 10
 async def validate(
     root: Path, entry: str, timeout: float, memory_mb: int, env: Mapping[str, str] | None = None
 ) -> dict[str, object]:
-    """Return {"kind", "import_ms"} or raise StoreError(422) saying what to fix. `env` is
+    """Return {"kind", "import_ms"} or raise ClientError(422) saying what to fix. `env` is
     the child's whole environment (the host passes one without its secrets)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -61,7 +61,7 @@ async def validate(
     except TimeoutError:
         _kill_group(proc.pid)
         await proc.wait()
-        raise StoreError(
+        raise ClientError(
             422,
             f"import of {entry} did not finish within {timeout:g} s"
             " (POLYSERVE_IMPORT_TIMEOUT): move slow work out of module level",
@@ -79,13 +79,13 @@ async def validate(
             if proc.returncode is not None and proc.returncode < 0
             else f"exit code {proc.returncode}"
         )
-        raise StoreError(
+        raise ClientError(
             422,
             f"import of {entry} ended the process ({how}) before it finished",
             stderr=stderr,
         ) from None
     if not result.get("ok"):
-        raise StoreError(
+        raise ClientError(
             422,
             str(result["error"]),
             file=result.get("file"),

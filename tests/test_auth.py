@@ -133,8 +133,8 @@ def test_the_admin_token_may_be_configured_by_its_hash_only(tmp_path):
 def test_no_plaintext_admin_token_is_kept(tmp_path):
     s = settings.load({"POLYSERVE_DATA_DIR": str(tmp_path), "POLYSERVE_DEPLOY_TOKEN": ADMIN})
     app = create_app(s)
-    assert ADMIN not in repr(s) and ADMIN not in repr(vars(app.host.auth))
-    assert app.host.auth.admin == digest(ADMIN)
+    assert ADMIN not in repr(s) and ADMIN not in repr(vars(app.control.auth))
+    assert app.control.auth.admin == digest(ADMIN)
 
 
 def test_the_admin_token_command_prints_a_token_and_its_hash():
@@ -200,7 +200,7 @@ def test_the_master_start_refuses_a_bad_tokens_file(tmp_path):
     s = settings.load({"POLYSERVE_TOKENS_FILE": str(path)})
     with pytest.raises(SystemExit) as e:
         auth_mod.on_starting(server, s)
-    assert e.value.code == EXIT_BAD_TOKENS_FILE == 5
+    assert e.value.code == EXIT_BAD_TOKENS_FILE == 78
     assert server.errors == [f"POLYSERVE_TOKENS_FILE: {path}:1: {load_tokens_error(path)}"]
 
 

@@ -14,8 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from polyserve.errors import ClientError
+from polyserve.names import parse_space
 from polyserve.openapi import SPEC
-from polyserve.store import Store, StoreError, parse_space
+from polyserve.store import Store
 
 PIECES = ["a", "b.py", "main.py", "..", ".", "", "/", "x/../y", "\\", "é", "lib", "..."]
 path_text = st.lists(st.sampled_from(PIECES), min_size=1, max_size=4).map("/".join)
@@ -25,7 +27,7 @@ path_text = st.lists(st.sampled_from(PIECES), min_size=1, max_size=4).map("/".jo
 def test_a_space_name_is_refused_or_stays_inside_its_directory(text):
     try:
         name = parse_space(text)
-    except StoreError as exc:
+    except ClientError as exc:
         assert exc.status == 422
         return
     owner, space = name.split("/")
@@ -80,7 +82,7 @@ def test_staging_a_tar_either_refuses_it_or_writes_only_plain_files_inside(fuzz_
     store, root = fuzz_store
     try:
         staged = store.stage(io.BytesIO(build(members)), "fuzz.tar", 1 << 20)
-    except StoreError as exc:
+    except ClientError as exc:
         assert 400 <= exc.status < 500
     else:
         for path in staged.dir.rglob("*"):
@@ -113,7 +115,7 @@ def test_a_refusal_is_short_and_names_no_host_path(fuzz_store, members, fmt):
     store, root = fuzz_store
     try:
         store.discard(store.stage(io.BytesIO(build(members, fmt)), "fuzz.tar", 1 << 20))
-    except StoreError as exc:
+    except ClientError as exc:
         body = json.dumps(exc.body())
         assert len(body) < 1000 and str(root) not in body and "/tmp" not in body, body[:300]
     assert not any(store.staging_dir.iterdir())

@@ -107,16 +107,18 @@ def test_kind_is_app_when_both_are_exported(tmp_path):
     ],
 )
 def test_a_bad_module_is_a_load_error_that_says_where(tmp_path, source, message, line):
+    before = set(sys.modules)  # other tests' versions may still be loaded
     with pytest.raises(loader.LoadError, match=message) as err:
         load(tmp_path, {"main.py": source})
     if line is not None:
         assert err.value.details["file"] == "main.py"
         assert err.value.details["line"] == line
         assert f"main.py, line {line}" in err.value.details["error"]
-    assert not [n for n in sys.modules if n.startswith("_ps_o__s__")]
+    assert not [n for n in set(sys.modules) - before if n.startswith("_ps_o__s__")]
 
 
 def test_a_forgotten_version_is_collected(tmp_path):
+    before = set(sys.modules)  # other tests' versions may still be loaded
     imported = load(
         tmp_path,
         {
@@ -130,7 +132,7 @@ def test_a_forgotten_version_is_collected(tmp_path):
     del imported
     gc.collect()
     assert module() is None and helpers() is None
-    assert not [n for n in sys.modules if n.startswith("_ps_o__s__")]
+    assert not [n for n in set(sys.modules) - before if n.startswith("_ps_o__s__")]
 
 
 # -- handle() ------------------------------------------------------------------------------

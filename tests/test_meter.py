@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from polyserve import meter, prometheus
 from polyserve.meter import CELLS, Cell, Meter
 from polyserve.shm import HEADER_WORDS, MAGIC, Table
-from polyserve.store import Ledger
+from polyserve.slots import Ledger
 
 NAMES = ["o/a", "o/b", "o/c"]
 SPACES = Ledger(NAMES, offsets={}, retired={})  # three slots, none handed over
@@ -79,7 +79,7 @@ def test_usage_sums_workers_and_counts_open_residency():
     meters[1].loaded(0, clock.now - 30 * S, rss_bytes=100 * 1024)
     meters[1].loaded(1, clock.now - 10 * S, rss_bytes=0)
     meters[1].released(1)
-    u = meter.usage(table, SPACES, clock.now)
+    u = meter.usage(meter.snapshot(table, SPACES, clock.now))
     a, b, c = (u["spaces"][name] for name in NAMES)
     assert {k: a[k] for k in ("requests", "busy_ms", "warm_s", "loaded")} == {
         "requests": 6,
@@ -96,7 +96,7 @@ def test_usage_sums_workers_and_counts_open_residency():
 def test_the_seed_fields_have_the_seed_types():
     table, clock, (m, *_) = world()
     m.end(0, m.begin(), error=False)
-    fields = meter.usage(table, SPACES, clock.now)["spaces"]["o/a"]
+    fields = meter.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]["o/a"]
     assert [type(fields[k]) for k in ("requests", "busy_ms", "warm_s", "loaded")] == [
         int,
         int,
@@ -124,7 +124,7 @@ def test_a_dead_workers_counts_stay_and_its_residency_is_closed():
     clock.now += 42 * S
     meter.fold_row(table, 1, clock.now)  # what the master does in child_exit
     clock.now += 1000 * S  # the dead worker's residency must not grow any more
-    u = meter.usage(table, SPACES, clock.now)["spaces"]["o/a"]
+    u = meter.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]["o/a"]
     assert (u["requests"], u["warm_s"], u["loaded"]) == (100, 42, False)
     assert table.inflight_array().tolist() == [0, 0, 0]
 
@@ -135,11 +135,11 @@ def test_a_checkpoint_restores_the_same_usage(tmp_path):
         m.end(1, m.begin(), error=True)
     meters[2].loaded(1, clock.now - 7 * S, rss_bytes=0)
     meter.checkpoint(table, SPACES, tmp_path / "usage.json", clock.now)
-    before = meter.usage(table, SPACES, clock.now)["spaces"]
+    before = meter.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]
 
     restarted = Table.anonymous(3, 4, CELLS)
     meter.set_base(restarted, meter.checkpoint_totals(tmp_path / "usage.json", SPACES))
-    after = meter.usage(restarted, SPACES, clock.now)["spaces"]
+    after = meter.usage(meter.snapshot(restarted, SPACES, clock.now))["spaces"]
     for name in NAMES:  # everything but the live state carries over
         for key in ("requests", "errors", "busy_ms", "warm_s", "cold_starts"):
             assert after[name][key] == before[name][key], (name, key)
@@ -170,7 +170,7 @@ def test_prometheus_exposition_parses_and_carries_the_counts():
     clock.now += 1_500_000
     m.end(0, t0, error=False)
     m.loaded(0, clock.now, rss_bytes=2048)
-    text = prometheus.exposition(meter.usage(table, SPACES, clock.now)).decode()
+    text = prometheus.exposition(meter.snapshot(table, SPACES, clock.now)).decode()
     samples = {
         (s.name, s.labels.get("space")): s.value
         for f in text_string_to_metric_families(text)
@@ -216,12 +216,12 @@ def test_usage_is_per_name_across_a_slot_hand_over(tmp_path):
     m.end(1, m.begin(), error=True)  # the new owner's first request, an error
     offset = tuple(-v for v in final)
     ledger = Ledger(["o/a", "o/new", "o/c"], offsets={1: offset}, retired={"o/b": final})
-    u = meter.usage(table, ledger, clock.now)["spaces"]
+    u = meter.usage(meter.snapshot(table, ledger, clock.now))["spaces"]
     assert (u["o/b"]["requests"], u["o/b"]["errors"], u["o/b"]["loaded"]) == (3, 0, False)
     assert (u["o/new"]["requests"], u["o/new"]["errors"]) == (1, 1)
     meter.checkpoint(table, ledger, tmp_path / "usage.json", clock.now)
     restarted = Table.anonymous(3, 4, CELLS)
     meter.set_base(restarted, meter.checkpoint_totals(tmp_path / "usage.json", ledger))
-    after = meter.usage(restarted, ledger, clock.now)["spaces"]
+    after = meter.usage(meter.snapshot(restarted, ledger, clock.now))["spaces"]
     assert {n: after[n]["requests"] for n in after} == {n: u[n]["requests"] for n in u}
     assert after["o/new"]["errors"] == 1

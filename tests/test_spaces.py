@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from polyserve import loader
-from polyserve.control import Control
+from polyserve import loader, settings
+from polyserve.broadcast import Broadcast
+from polyserve.deploys import Deploys
 from polyserve.meter import CELLS, Cell, Meter
 from polyserve.shm import Table
 from polyserve.spaces import NotDeployed, Registry
@@ -39,35 +40,36 @@ class World:
     def __init__(self, tmp_path: Path) -> None:
         self.store = Store(tmp_path / "data", max_spaces=8)
         self.table = Table.anonymous(1, 8, CELLS)
-        self.control = Control(self.table, worker_slot=0)
+        self.broadcast = Broadcast(self.table, worker_slot=0)
         self.clock = Clock()
         self.meter = Meter(self.table, 0, clock=lambda: int(self.clock.now * 1_000_000))
-        self.registry = Registry(self.store, self.control, self.meter, TTL, 5.0, clock=self.clock)
+        self.registry = Registry(self.store, self.broadcast, self.meter, TTL, 5.0, clock=self.clock)
+        # Changes as a deploy makes them, without the signal: tests call refresh() where
+        # a signal would arrive.
+        self.deploys = Deploys(
+            settings.load({}), self.store, self.broadcast, self.table, None, lambda: None
+        )
 
     async def reap_at(self, now: float) -> list[str]:
         self.clock.now = now
         return await self.registry.reap()
 
     def cell(self, space: str, cell: Cell) -> int:
-        return int(self.table.cell_array()[0, self.store.slot(space), cell])
+        return int(self.table.cell_array()[0, self.store.slots.slot(space), cell])
 
     def deploy(self, space: str, source: str) -> int:
         staged = self.store.stage(io.BytesIO(make_tar({"main.py": source})), "s.tar", 1 << 20)
-        with self.store.locked():
-            slot, number = self.store.publish(space, staged, {"kind": "?", "import_ms": 0})
-            self.control.bump(slot)
-        return number
+        return self.deploys.publish(space, staged, {"kind": "?", "import_ms": 0})
 
     def delete(self, space: str) -> None:
-        with self.store.locked():
-            self.control.bump(self.store.delete(space))
+        assert self.deploys.unpublish(space)
 
     async def call(self, space: str):
-        active = await self.registry.acquire(space)
+        active = await self.registry.lease(space)
         try:
             return active.imported.module.VERSION
         finally:
-            self.registry.release(active)
+            self.registry.end_lease(active)
 
 
 def version(n: int, extra: str = "") -> str:
@@ -122,12 +124,12 @@ def test_a_new_generation_swaps_and_drains_the_old_version(world):
     world.deploy("o/s", version(1, "import contextlib\n"))
 
     async def main():
-        old = await world.registry.acquire("o/s")  # an in-flight request on v1
+        old = await world.registry.lease("o/s")  # an in-flight request on v1
         old_module = weakref.ref(old.imported.module)
         world.deploy("o/s", version(2))
         assert await world.call("o/s") == 2  # new requests get v2 at once
         assert old.retired and old_module() is not None  # v1 drains, not dropped
-        world.registry.release(old)
+        world.registry.end_lease(old)
         await asyncio.gather(old._dropping)
         del old
         return old_module
@@ -141,7 +143,7 @@ def test_a_bump_without_a_new_version_does_not_reimport(world, monkeypatch):
     calls = count_imports(monkeypatch)
     world.deploy("o/s", version(1))
     run(world.call("o/s"))
-    world.control.bump(world.store.slot("o/s"))
+    world.broadcast.bump(world.store.slots.slot("o/s"))
     assert run(world.call("o/s")) == 1
     assert calls == ["o/s"]
 
@@ -196,7 +198,7 @@ def test_refresh_swaps_without_waiting_for_a_request(world):
     async def main():
         await world.call("o/s")
         world.deploy("o/s", version(2))
-        world.registry.refresh()  # what the control signal does
+        world.registry.refresh()  # what the broadcast signal does
         await asyncio.gather(*world.registry._loading.values())
         return world.registry.active["o/s"].imported.module.VERSION
 
@@ -225,9 +227,9 @@ def test_in_flight_requests_keep_a_space_alive(world):
     world.deploy("o/s", version(1))
 
     async def main():
-        active = await world.registry.acquire("o/s")
+        active = await world.registry.lease("o/s")
         assert await world.reap_at(TTL * 10) == []
-        world.registry.release(active)
+        world.registry.end_lease(active)
 
     run(main())
 
@@ -236,9 +238,9 @@ def test_the_idle_clock_starts_when_a_request_ends(world):
     world.deploy("o/s", version(1))
 
     async def main():
-        active = await world.registry.acquire("o/s")  # starts at t=0
+        active = await world.registry.lease("o/s")  # starts at t=0
         world.clock.now = 50.0
-        world.registry.release(active)  # ends at t=50
+        world.registry.end_lease(active)  # ends at t=50
         assert await world.reap_at(TTL + 10) == []
         assert await world.reap_at(TTL + 50) == ["o/s"]
 
@@ -251,7 +253,7 @@ def test_a_failed_load_is_reported_and_retried(world):
     async def main():
         for _ in range(2):
             with pytest.raises(loader.LoadError, match="flaky"):
-                await world.registry.acquire("o/s")
+                await world.registry.lease("o/s")
         assert world.registry._loading == {}
 
     run(main())
@@ -331,9 +333,8 @@ def test_a_release_on_demand_drops_the_space_and_the_next_call_imports_it(world,
     async def main():
         await world.call("o/s")
         module = weakref.ref(world.registry.active["o/s"].imported.module)
-        with world.store.locked():
-            world.control.request_release(world.store.slot("o/s"))
-        world.registry.refresh()  # what the control signal does
+        assert world.deploys.request_release("o/s")
+        world.registry.refresh()  # what the broadcast signal does
         assert world.registry.active == {}
         await asyncio.sleep(0)  # the drop
         assert await world.call("o/s") == 1
@@ -350,8 +351,7 @@ def test_a_release_reaches_a_worker_that_missed_the_signal(world, monkeypatch):
 
     async def main():
         await world.call("o/s")
-        with world.store.locked():
-            world.control.request_release(world.store.slot("o/s"))
+        assert world.deploys.request_release("o/s")
         # No refresh(): the generation word alone makes the next request import afresh.
         assert await world.call("o/s") == 1
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from polyserve.store import KEEP_VERSIONS, Store, StoreError, parse_space
+from polyserve.errors import ClientError
+from polyserve.names import parse_space
+from polyserve.store import KEEP_VERSIONS, Store
 from tests.conftest import make_tar
 
 
@@ -55,7 +57,7 @@ def test_valid_space_names(name):
     ],
 )
 def test_invalid_space_names_say_the_rule(name):
-    with pytest.raises(StoreError, match="owner/name") as err:
+    with pytest.raises(ClientError, match="owner/name") as err:
         parse_space(name)
     assert err.value.status == 422
 
@@ -74,7 +76,7 @@ def test_a_py_upload_with_an_unusable_name_is_stored_as_main_py(store, filename)
 
 @pytest.mark.parametrize("content,problem", [(b"  \n", "empty"), (b"\xff\xfe x", "UTF-8")])
 def test_an_empty_or_non_utf8_py_is_refused(store, content, problem):
-    with pytest.raises(StoreError, match=problem):
+    with pytest.raises(ClientError, match=problem):
         store.stage(io.BytesIO(content), "x.py", 1 << 20)
     assert list(store.staging_dir.iterdir()) == []
 
@@ -99,12 +101,12 @@ def test_manifest_names_the_entry(store):
     "manifest", ['entry = "sub/x.py"', 'entry = "missing.py"', "entry = [", 'entry = "x.txt"']
 )
 def test_a_bad_manifest_is_refused(store, manifest):
-    with pytest.raises(StoreError, match=r"polyserve\.toml"):
+    with pytest.raises(ClientError, match=r"polyserve\.toml"):
         stage(store, make_tar({"polyserve.toml": manifest, "x.txt": ""}))
 
 
 def test_a_tar_without_entry_says_how_to_build_one(store):
-    with pytest.raises(StoreError, match="-C yourdir") as err:
+    with pytest.raises(ClientError, match="-C yourdir") as err:
         stage(store, make_tar({"myspace/main.py": ""}))
     assert err.value.details["found"] == ["myspace/"]
 
@@ -145,7 +147,7 @@ def _special(kind: bytes) -> tarfile.TarInfo:
     ],
 )
 def test_unsafe_or_broken_tars_are_refused_and_leave_nothing(store, content, problem):
-    with pytest.raises(StoreError, match=problem) as err:
+    with pytest.raises(ClientError, match=problem) as err:
         stage(store, content)
     assert err.value.status == 422
     assert list(store.staging_dir.iterdir()) == []
@@ -153,7 +155,7 @@ def test_unsafe_or_broken_tars_are_refused_and_leave_nothing(store, content, pro
 
 def test_unpacked_size_is_capped_before_extraction(store):
     big = make_tar({"main.py": "", "blob": b"\0" * 4096}, gzip=True)
-    with pytest.raises(StoreError) as err:
+    with pytest.raises(ClientError) as err:
         store.stage(io.BytesIO(big), "x.tar.gz", max_unpacked=1024)
     assert err.value.status == 413
     assert list(store.staging_dir.iterdir()) == []
@@ -194,7 +196,7 @@ def test_delete_unpublishes_but_the_slot_stays(store):
 def test_a_full_space_table_answers_507(store):
     for i in range(4):
         publish(store, f"o/s{i}", {"main.py": ""})
-    with pytest.raises(StoreError) as err:
+    with pytest.raises(ClientError) as err:
         publish(store, "o/one-too-many", {"main.py": ""})
     assert err.value.status == 507 and "POLYSERVE_MAX_SPACES" in err.value.error
     assert store.current("o/one-too-many") is None
@@ -255,11 +257,11 @@ def test_a_full_table_hands_over_a_deleted_spaces_slot_once_it_is_quiet(store):
     with store.locked():
         slot, version = store.publish("o/new", staged, {}, reclaim=reclaim)
     assert (slot, version, asked) == (2, 1, [1, 2])
-    assert store.slot("o/new") == 2 and store.slot("o/s2") is None
-    ledger = Store(store.root, max_spaces=4).ledger()  # as a fresh process reads the log
+    assert store.slots.slot("o/new") == 2 and store.slots.slot("o/s2") is None
+    ledger = Store(store.root, max_spaces=4).slots.ledger()  # as a fresh process reads the log
     assert ledger.names == ["o/s0", "o/s1", "o/new", "o/s3"]
     assert ledger.offsets == {2: (-10, -1, -500, -7, -2, -30)}
     assert ledger.retired == {"o/s2": (10, 1, 500, 7, 2, 30)}
-    with pytest.raises(StoreError) as err:  # s1 never became quiet: no slot is left
+    with pytest.raises(ClientError) as err:  # s1 never became quiet: no slot is left
         publish(store, "o/another", {"main.py": ""})
     assert err.value.status == 507

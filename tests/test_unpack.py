@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from polyserve.store import Store, StoreError
+from polyserve.errors import ClientError
+from polyserve.store import Store
 from polyserve.unpack import MAX_NAME_BYTES, MAX_TAR_ENTRIES, extract_tar
 from tests.conftest import REPO, make_tar
 
@@ -30,13 +31,13 @@ def store(tmp_path: Path) -> Store:
 
 def refused(store: Store, content: bytes, filename: str = "space.tgz", cap: int = CAP):
     """Stage an upload that must be refused; check the staging is empty and return the error."""
-    with pytest.raises(StoreError) as err:
+    with pytest.raises(ClientError) as err:
         store.stage(io.BytesIO(content), filename, cap)
     assert list(store.staging_dir.iterdir()) == []
     return err.value
 
 
-def assert_short_and_pathless(err: StoreError, tmp_path: Path) -> None:
+def assert_short_and_pathless(err: ClientError, tmp_path: Path) -> None:
     body = json.dumps(err.body(), ensure_ascii=False)
     assert len(body) < 1000, body[:300]
     assert str(tmp_path) not in body and "/tmp" not in body, body
@@ -216,7 +217,7 @@ def test_bytes_are_counted_as_they_are_read(tmp_path):
     upload = io.BytesIO(zlib.decompress(header_bomb_tgz(tmp_path / "b.tgz").read_bytes(), 31))
     assert len(upload.getvalue()) > 50 * CAP
     (tmp_path / "dest").mkdir()
-    with pytest.raises(StoreError) as err:
+    with pytest.raises(ClientError) as err:
         extract_tar(upload, tmp_path / "dest", CAP, "b.tar")
     assert err.value.status == 413
     assert upload.tell() <= CAP + 1
@@ -322,7 +323,8 @@ def test_error_bodies_are_short_and_name_no_host_path(store, tmp_path, files, fi
 MEASURE = """
 import io, json, sys, tempfile
 from pathlib import Path
-from polyserve.store import Store, StoreError
+from polyserve.errors import ClientError
+from polyserve.store import Store
 
 def peak_rss():
     status = Path("/proc/self/status").read_text()
@@ -332,7 +334,7 @@ def stage(store, content, name):
     try:
         store.stage(io.BytesIO(content), name, int(sys.argv[2]))
         return 200, {}
-    except StoreError as exc:
+    except ClientError as exc:
         return exc.status, exc.body()
 
 store = Store(tempfile.mkdtemp(dir=sys.argv[3]), max_spaces=4)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from polyserve.store import StoreError
+from polyserve.errors import ClientError
 from polyserve.validate import validate
 
 
@@ -63,13 +63,13 @@ def test_a_good_module_reports_kind_and_import_time_and_leaves_bytecode(tmp_path
     ],
 )
 def test_a_bad_module_says_what_to_fix(tmp_path, source, message):
-    with pytest.raises(StoreError, match=message) as err:
+    with pytest.raises(ClientError, match=message) as err:
         check(tmp_path, source)
     assert err.value.status == 422
 
 
 def test_a_hanging_import_is_killed_at_the_timeout(tmp_path):
-    with pytest.raises(StoreError, match="within 1 s"):
+    with pytest.raises(ClientError, match="within 1 s"):
         check(tmp_path, "import time\ntime.sleep(60)\n", timeout=1)
 
 
@@ -81,17 +81,17 @@ def test_a_hanging_import_is_killed_at_the_timeout(tmp_path):
     ],
 )
 def test_an_import_that_ends_the_process_is_refused(tmp_path, source, how):
-    with pytest.raises(StoreError, match=how):
+    with pytest.raises(ClientError, match=how):
         check(tmp_path, source)
 
 
 def test_an_unbounded_allocation_hits_the_address_space_limit(tmp_path):
-    with pytest.raises(StoreError, match="address-space limit"):
+    with pytest.raises(ClientError, match="address-space limit"):
         check(tmp_path, "blob = bytearray(2 << 30)\n", memory_mb=512)
 
 
 def test_stderr_of_the_import_is_returned(tmp_path):
-    with pytest.raises(StoreError) as err:
+    with pytest.raises(ClientError) as err:
         check(
             tmp_path, "import sys\nsys.stderr.write('model.onnx not found')\nraise SystemExit(1)\n"
         )
@@ -101,7 +101,7 @@ def test_stderr_of_the_import_is_returned(tmp_path):
 def test_only_the_tail_of_the_imports_output_is_kept(tmp_path):
     """An import that writes 8 MiB to stderr gets back a `stderr` of at most a few KiB:
     the end of what it wrote."""
-    with pytest.raises(StoreError) as err:
+    with pytest.raises(ClientError) as err:
         check(
             tmp_path,
             "import sys\nfor _ in range(8):\n    sys.stderr.write('x' * (1 << 20))\n"

@@ -1,4 +1,4 @@
-"""Deploy broadcast: per-space generation words and the control signal to workers."""
+"""Deploy broadcast inside a host: per-space words in the shared table, and a signal to workers."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from polyserve.shm import Table
 # action is to ignore it, so a signal that reaches a worker before its handler is
 # installed is harmless instead of fatal. Workers also only publish their pid once
 # the handler is in place.
-CONTROL_SIGNAL = signal.SIGWINCH
+SIGNAL = signal.SIGWINCH
 
 
-class Control:
-    """One process's handle on the generation words and the worker pid rows."""
+class Broadcast:
+    """One process's handle on the per-space words (generation, release, held versions)
+    and on the worker pid rows: how a change in one worker reaches the others."""
 
     def __init__(self, table: Table, worker_slot: int | None) -> None:
         self.table = table
@@ -25,16 +26,14 @@ class Control:
     def generation(self, space_slot: int) -> int:
         return self.table.generations[space_slot]
 
-    def bump(self, space_slot: int) -> int:
+    def bump(self, space_slot: int) -> None:
         """Advance a space's generation. Callers hold the store lock."""
-        gen = self.table.generations[space_slot] + 1
-        self.table.generations[space_slot] = gen
-        return gen
+        self.table.generations[space_slot] += 1
 
-    def release_count(self, space_slot: int) -> int:
+    def releases(self, space_slot: int) -> int:
         return self.table.releases[space_slot]
 
-    def request_release(self, space_slot: int) -> None:
+    def release(self, space_slot: int) -> None:
         """Make every worker drop its copy: the release word says why the generation
         moved, so a worker imports afresh instead of keeping the same version."""
         self.table.releases[space_slot] += 1
@@ -65,7 +64,7 @@ class Control:
             if pid in (0, me):
                 continue
             try:
-                os.kill(pid, CONTROL_SIGNAL)
+                os.kill(pid, SIGNAL)
                 sent += 1
             except OSError as exc:
                 # A worker that just died: the master clears its row in child_exit.

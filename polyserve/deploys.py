@@ -1,0 +1,126 @@
+"""The writes: deploy, undeploy, release — stage, validate, publish under the lock, bump, announce.
+
+Nothing here knows HTTP: the control plane's handlers, and later the CLI's host side
+and the fleet follower, call these. Each change happens under the store lock, bumps the
+space's generation word and then signals the other workers, so "after the answer, no
+worker starts a new request on an older version" holds whoever made the change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import BinaryIO, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from polyserve import meter
+from polyserve.broadcast import Broadcast
+from polyserve.errors import ClientError
+from polyserve.settings import Settings, scrubbed_environ
+from polyserve.shm import Table
+from polyserve.store import Staged, Store
+from polyserve.validate import validate
+
+_T = TypeVar("_T")
+
+
+class Deploys:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        broadcast: Broadcast,
+        table: Table,
+        threads: anyio.CapacityLimiter | None,
+        refresh: Callable[[], None],
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.broadcast = broadcast
+        self.table = table
+        self.threads = threads  # the host's own threads: no tenant can exhaust them
+        self.refresh = refresh  # this worker's own swap, which no signal reaches
+
+    async def deploy(self, space: str, upload: BinaryIO, filename: str) -> dict[str, object]:
+        """Publish an upload (a .py file or a tar) as the space's next version; returns
+        what the deploy answers. A failure at any step publishes nothing."""
+        s = self.settings
+        staged = await self._run(self.store.stage, upload, filename, s.max_unpacked_mb << 20)
+        try:
+            checked = await validate(
+                staged.dir,
+                staged.entry,
+                s.import_timeout,
+                s.import_memory_mb,
+                env=scrubbed_environ(),
+            )
+            number = await self._run(self.publish, space, staged, checked)
+        finally:
+            self.store.discard(staged)  # after a publish the directory has moved: a no-op
+        self._announce()
+        return {
+            "space": space,
+            "version": number,
+            "sha256": staged.sha256,
+            "size": staged.size,
+            "entry": staged.entry,
+            **checked,
+        }
+
+    async def undeploy(self, space: str) -> None:
+        """Unpublish: requests then answer 404; the files go once nobody uses them."""
+        await self._change(space, self.unpublish)
+
+    async def release(self, space: str) -> int:
+        """What the idle reaper does, now and in every worker: the next request imports
+        the space afresh. Returns how many other workers were signalled."""
+        return await self._change(space, self.request_release)
+
+    # -- the changes themselves: synchronous, each under the store lock, not announced ---
+
+    def publish(self, space: str, staged: Staged, checked: dict[str, object]) -> int:
+        """Make a validated stage the space's current version; returns its number."""
+        with self.store.locked():
+            slot, number = self.store.publish(
+                space, staged, checked, reclaim=partial(meter.reclaimable, self.table)
+            )
+            self.broadcast.bump(slot)
+            self.store.prune(space, self.broadcast.oldest_held(slot))
+        return number
+
+    def unpublish(self, space: str) -> bool:
+        """Undeploy; False when the space is not deployed."""
+        with self.store.locked():
+            slot = self.store.delete(space)
+            if slot is None:
+                return False
+            self.broadcast.bump(slot)
+            self.store.prune(space, self.broadcast.oldest_held(slot))
+        return True
+
+    def request_release(self, space: str) -> bool:
+        """Tell every worker to drop its copy; False when the space is not deployed."""
+        with self.store.locked():
+            slot = self.store.slots.slot(space)
+            if slot is None or self.store.current(space) is None:
+                return False
+            self.broadcast.release(slot)
+        return True
+
+    async def _change(self, space: str, change: Callable[[str], bool]) -> int:
+        if not await self._run(change, space):
+            raise ClientError(404, f"space {space} is not deployed", space=space)
+        return self._announce()
+
+    def _announce(self) -> int:
+        """After a change: signal the other workers, and refresh this one. Every request
+        reads the generation word, so the contract already holds; the signal only makes
+        workers act before their next request. Returns how many were signalled."""
+        signalled = self.broadcast.announce()
+        self.refresh()
+        return signalled
+
+    async def _run(self, func: Callable[..., _T], *args: object) -> _T:
+        return await anyio.to_thread.run_sync(func, *args, limiter=self.threads)

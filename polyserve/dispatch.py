@@ -1,0 +1,135 @@
+"""The request path: lease the space's version, meter it, bound its wait, answer errors as JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from starlette.responses import JSONResponse
+from starlette.types import Message, Receive, Scope, Send
+
+from polyserve import loader
+from polyserve.deadlines import Deadlines
+from polyserve.meter import Meter
+from polyserve.spaces import NotDeployed, Registry
+
+log = logging.getLogger("polyserve")
+
+
+class Dispatch:
+    """One worker's request path; `serve` is the ASGI callable for `/s/{owner}/{name}/…`."""
+
+    def __init__(self, registry: Registry, meter: Meter, deadlines: Deadlines) -> None:
+        self.registry = registry
+        self.meter = meter
+        self.deadlines = deadlines
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A request for a space: HostApp has set path_params and extended root_path."""
+        params = scope["path_params"]
+        space = f"{params['owner']}/{params['name']}"
+        started = self.meter.begin()  # busy time includes a cold start's import
+        slot: int | None = None  # None: no space answered, so no request is counted
+        metered = False
+
+        def count(status: int) -> None:
+            nonlocal metered
+            if not metered:
+                metered = True
+                self.meter.end(slot, started, error=status >= 500)
+
+        status = 500  # if anything below raises mid-way
+        try:
+            try:
+                active = await self.registry.lease(space)
+            except NotDeployed:
+                status = 404
+                body: dict[str, object] = {"error": f"space {space} is not deployed"}
+                return await answer(scope, receive, send, 404, {**body, "space": space})
+            except Exception as exc:
+                slot = self.registry.slot_of(space)
+                if isinstance(exc, loader.LoadError):
+                    body = exc.details
+                else:  # a bug of ours, or the data dir changed under us: still JSON
+                    log.exception("loading %s failed", space)
+                    body = {"error": f"space {space} could not be loaded; see the host log"}
+                return await answer(scope, receive, send, 500, {**body, "space": space})
+            slot = active.slot
+            try:
+                status = await self._call(active.imported, space, scope, receive, send, count)
+            finally:
+                # Counted before the lease ends: once the last lease on a deleted space's
+                # version ends, its slot may be handed to another space.
+                count(status)
+                self.registry.end_lease(active)
+        finally:
+            count(status)  # a cancelled lease, a client gone: in flight drops all the same
+
+    async def _call(
+        self,
+        imported: loader.Imported,
+        space: str,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        count: Callable[[int], None],
+    ) -> int:
+        """Call the space; returns the status it answered (0 for a websocket)."""
+        status = 0
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                # The deadline bounds the wait for an answer: a started stream lives on.
+                self.deadlines.leave(task)
+            elif message["type"] == "websocket.accept":
+                self.deadlines.leave(task)
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                # Counted before the last bytes leave: a worker killed after its client
+                # has the answer must not have lost the count (counted >= served).
+                count(status)
+            await send(message)
+
+        if imported.kind == "app":
+            scope["state"] = imported.state.copy()  # lifespan state, shallow-copied per ASGI
+        task = self.deadlines.enter()
+        try:
+            await imported.app(scope, receive, tracking_send)
+        except (Exception, asyncio.CancelledError) as exc:
+            timed_out = self.deadlines.expired(task)
+            if isinstance(exc, asyncio.CancelledError) and not timed_out:
+                raise  # the worker is stopping, or the client's connection is gone
+            timeout = self.deadlines.timeout
+            if timed_out:
+                log.warning("space %s took longer than %g s: cancelled", space, timeout)
+            else:
+                log.exception("space %s v%d raised", space, imported.version)
+            if status:
+                raise  # mid-response: nothing more can be said; the server closes it
+            code, error = (
+                (
+                    504,
+                    f"space {space} did not answer within {timeout:g} s"
+                    " (POLYSERVE_REQUEST_TIMEOUT)",
+                )
+                if timed_out
+                else (500, f"space {space} raised an exception; see the host log")
+            )
+            await answer(scope, receive, send, code, {"error": error, "space": space})
+            return code
+        finally:
+            self.deadlines.leave(task)
+        # An HTTP app that returns without a response gets a 500 from the server.
+        return 500 if status == 0 and scope["type"] == "http" else status
+
+
+async def answer(
+    scope: Scope, receive: Receive, send: Send, status: int, body: dict[str, object]
+) -> None:
+    """A JSON error for HTTP; for a websocket, a close code that says as much."""
+    if scope["type"] == "http":
+        await JSONResponse(body, status_code=status)(scope, receive, send)
+    elif scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1011 if status >= 500 else 1008})

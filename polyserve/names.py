@@ -1,0 +1,28 @@
+"""The space-name rule: `owner/name`, each part 1-64 of letters, digits, '.', '_', '-'."""
+
+from __future__ import annotations
+
+import re
+
+from polyserve.errors import ClientError
+
+PART = "[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}"  # not starting with '.': no hidden, no '..'
+_PART = re.compile(PART)
+
+
+def parse_space(text: str) -> str:
+    """Check an `owner/name` space name and return it, or raise a 422 that says the rule."""
+    parts = text.split("/")
+    if len(parts) != 2 or not all(_PART.fullmatch(p) for p in parts):
+        raise ClientError(
+            422,
+            "invalid space name: use owner/name, each part 1-64 of letters, digits, '.', '_',"
+            " '-', not starting with '.'",
+            space=text[:100],
+        )
+    return text
+
+
+def is_owner(text: str) -> bool:
+    """Whether text is a valid owner (the first part of a space name)."""
+    return _PART.fullmatch(text) is not None
