@@ -17,8 +17,7 @@ from polyserve import auth as auth_mod
 from polyserve import settings
 from polyserve.app import create_app
 from polyserve.auth import EXIT_BAD_TOKENS_FILE, add_token, digest, load_tokens
-from tests.conftest import REPO, free_port
-from tests.test_host import until
+from tests.helpers import REPO, free_port, until
 
 HELLO = ("main.py", b"def handle(request):\n    return 'hi'\n")
 REMOTE = ("203.0.113.9", 40000)  # a documentation address: any non-loopback peer

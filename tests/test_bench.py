@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def run_bench(script: str, *args: str) -> dict:

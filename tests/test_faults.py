@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx2
 
 from polyserve.shm import segment_name
-from tests.conftest import HostProcess
-from tests.test_host import until
+from tests.helpers import HostProcess, until
 
 SYNC = "import os\ndef handle(request):\n    return {'pid': os.getpid()}\n"
 

@@ -20,8 +20,7 @@ from websockets.sync.client import connect
 from polyserve import settings as settings_mod
 from polyserve.app import create_app
 from polyserve.worker import Worker
-from tests.conftest import HostProcess
-from tests.test_host import until
+from tests.helpers import HostProcess, until
 
 MiB = 1 << 20
 

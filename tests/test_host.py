@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 from polyserve.hooks import EXIT_DATA_DIR_BUSY
 from polyserve.shm import segment_name
-from tests.conftest import REPO, HostProcess, make_tar
+from tests.helpers import REPO, HostProcess, make_tar, until
 
 WHO = """
 import os
@@ -24,17 +23,6 @@ def handle(request):
 
 def who(version: str) -> str:
     return WHO.format(version=version)
-
-
-def until(predicate, timeout: float = 30.0, what: str = "condition"):
-    """Poll until predicate() is truthy; tests never sleep a fixed time."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def all_workers(host: HostProcess, path: str) -> dict[int, object]:

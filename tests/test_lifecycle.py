@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx2 as httpx
 
-from tests.conftest import HostProcess, make_tar
+from tests.helpers import HostProcess, make_tar
 
 
 def poll(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:

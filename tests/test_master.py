@@ -23,9 +23,7 @@ import httpx2
 from polyserve import hooks, meter
 from polyserve.meter import CELLS, Cell
 from polyserve.shm import H_ALIVE, Table, segment_name
-from tests.conftest import REPO, HostProcess
-from tests.test_host import until
-from tests.test_usage import alive
+from tests.helpers import REPO, HostProcess, alive, until
 
 SHM = Path("/dev/shm")
 # Answers at once, or after ?sleep=<seconds>: a request that keeps its worker draining.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from polyserve.store import KEEP_VERSIONS, Store, StoreError, parse_space
-from tests.conftest import make_tar
+from tests.helpers import make_tar
 
 
 @pytest.fixture
