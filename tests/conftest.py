@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from polyserve.shm import segment_name
-from tests.helpers import HostProcess
+from tests.helpers import HostProcess, module_host
 
 
 @pytest.fixture
@@ -28,9 +28,5 @@ def host_factory(tmp_path: Path) -> Iterator[callable]:
         Path("/dev/shm", segment_name(str(host.data_dir))).unlink(missing_ok=True)
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostProcess]:
-    """One 2-worker host shared by a module's tests; each test uses its own space names."""
-    h = HostProcess(tmp_path_factory.mktemp("host") / "data").start()
-    yield h
-    h.stop()
+# One 2-worker host shared by a module's tests; each test uses its own space names.
+host = module_host("host")

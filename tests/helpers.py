@@ -13,11 +13,12 @@ import sys
 import tarfile
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx2 as httpx
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -157,6 +158,21 @@ class HostProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def module_host(name: str, **kw: Any) -> Any:
+    """A module-scoped fixture called `name`: one host started with `kw` (HostProcess's
+    arguments) and shared by a module's tests, each using its own space names."""
+
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostProcess]:
+        host = HostProcess(tmp_path_factory.mktemp(name) / "data", **kw)
+        try:
+            yield host.start()
+        finally:
+            host.stop()
+
+    fixture.__doc__ = f"One host, HostProcess(data_dir, **{kw!r}), for a module's tests."
+    return pytest.fixture(fixture, scope="module", name=name)
 
 
 # -- tar payloads built header by header, so a test never holds the 64 MiB they expand to --
