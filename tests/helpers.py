@@ -88,8 +88,8 @@ class HostProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> HostProcess:
-        self.port = free_port()
+    def _spawn(self, port: int) -> None:
+        self.port = port
         env = {
             **os.environ,
             "POLYSERVE_BIND": f"127.0.0.1:{self.port}",
@@ -105,8 +105,26 @@ class HostProcess:
                 stdout=log,
                 stderr=log,
             )
+
+    def start(self) -> HostProcess:
+        self._spawn(free_port())
         self.wait_ready()
         return self
+
+    def start_expecting_exit(self, port: int = 0, timeout: float = 60) -> tuple[int, str]:
+        """Start a master that must fail to start (on `port`, or a free one), and wait for
+        it to exit by itself: its exit status, and what this start logged."""
+        logged = self.log.stat().st_size if self.log.exists() else 0
+        self._spawn(port or free_port())
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        with open(self.log, "rb") as log:
+            log.seek(logged)
+            return code, log.read().decode(errors="replace")
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Poll until every worker answers (never a fixed sleep)."""
@@ -142,6 +160,15 @@ class HostProcess:
             ["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True
         ).stdout
         return {int(p) for p in out.split()}
+
+    def hup(self) -> None:
+        """HUP the master, and wait until every worker is a new one."""
+        old = self.worker_pids()
+        self.proc.send_signal(signal.SIGHUP)
+        until(
+            lambda: self.worker_pids().isdisjoint(old) and len(self.worker_pids()) == self.workers,
+            what="HUP to replace every worker",
+        )
 
     def tail(self, n: int = 40) -> str:
         try:

@@ -11,8 +11,6 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ import httpx2
 from polyserve import hooks, meter
 from polyserve.meter import CELLS, Cell
 from polyserve.shm import H_ALIVE, Table, segment_name
-from tests.helpers import REPO, HostProcess, alive, until
+from tests.helpers import HostProcess, alive, until
 
 SHM = Path("/dev/shm")
 # Answers at once, or after ?sleep=<seconds>: a request that keeps its worker draining.
@@ -46,28 +44,9 @@ def taken_port() -> Iterator[int]:
 
 def failed_start(data_dir: Path, port: int) -> int:
     """Run a master on a port in use; gunicorn gives up binding it. Its exit status."""
-    log = data_dir.parent / f"{data_dir.name}-failed-gunicorn.log"
-    env = {
-        **os.environ,
-        "POLYSERVE_BIND": f"127.0.0.1:{port}",
-        "POLYSERVE_WORKERS": "1",
-        "POLYSERVE_DATA_DIR": str(data_dir),
-    }
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=out,
-        )
-    try:
-        code = proc.wait(timeout=60)  # gunicorn tries to bind 5 times, 1 s apart
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert "Connection in use" in log.read_text(errors="replace")
+    failed = HostProcess(data_dir, workers=1)
+    code, log = failed.start_expecting_exit(port)  # gunicorn tries to bind 5 times, 1 s apart
+    assert "Connection in use" in log
     return code
 
 
