@@ -8,7 +8,22 @@ from pathlib import Path
 import pytest
 
 from polyserve.shm import segment_name
-from tests.helpers import HostProcess, module_host
+from tests.helpers import HOST_FIXTURES, HostProcess, module_host
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses a host fixture, even through another fixture, starts gunicorn.
+    Tests that start one themselves carry @pytest.mark.gunicorn."""
+    for item in items:
+        if HOST_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.gunicorn)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Before any fixture starts: a host started by an unmarked test fails it.
+    marked = item.get_closest_marker("gunicorn") is not None
+    HostProcess.unmarked_test = None if marked else item.nodeid
 
 
 @pytest.fixture

@@ -73,6 +73,10 @@ def _state(pid: int) -> str:
 class HostProcess:
     """`gunicorn -c gunicorn.conf.py` started by a test, stopped by its PID."""
 
+    # Set by conftest while a test without the `gunicorn` mark runs: starting a host then
+    # fails, so `pytest -m "not gunicorn"` never starts one unnoticed.
+    unmarked_test: str | None = None
+
     def __init__(
         self, data_dir: Path, workers: int = 2, args: tuple[str, ...] = (), **env: str
     ) -> None:
@@ -89,6 +93,9 @@ class HostProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def _spawn(self, port: int) -> None:
+        assert HostProcess.unmarked_test is None, (
+            f"{HostProcess.unmarked_test} starts gunicorn: mark it @pytest.mark.gunicorn"
+        )
         self.port = port
         env = {
             **os.environ,
@@ -187,9 +194,14 @@ class HostProcess:
             self.proc.wait()
 
 
+# Fixtures that start a real host: conftest marks every test that uses one `gunicorn`.
+HOST_FIXTURES = {"host_factory"}
+
+
 def module_host(name: str, **kw: Any) -> Any:
     """A module-scoped fixture called `name`: one host started with `kw` (HostProcess's
     arguments) and shared by a module's tests, each using its own space names."""
+    HOST_FIXTURES.add(name)
 
     def fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostProcess]:
         host = HostProcess(tmp_path_factory.mktemp(name) / "data", **kw)

@@ -250,6 +250,7 @@ def test_add_token_starts_a_new_line_after_a_hand_edited_last_line(tmp_path):
 # -- real hosts ----------------------------------------------------------------------
 
 
+@pytest.mark.gunicorn
 def test_a_host_with_a_bad_tokens_file_does_not_start(tmp_path):
     tokens = tmp_path / "tokens.txt"
     tokens.write_text(f"# owners\nalice {GOOD}\n* {GOOD}\n")

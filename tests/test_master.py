@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
+import pytest
 
 from polyserve import hooks, meter
 from polyserve.meter import CELLS, Cell
@@ -61,6 +62,7 @@ def segments_since(data_dir: Path, started_ns: int) -> list[str]:
     return found
 
 
+@pytest.mark.gunicorn
 def test_a_start_on_a_port_in_use_leaves_no_segment(tmp_path):
     data_dir = tmp_path / "data"
     shm = SHM / segment_name(str(data_dir))
