@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run build examples test lint bench settings-table token clean
+.PHONY: run build examples test test-fast lint bench settings-table token clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ examples: $(VENV)/.installed-build
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# The inner loop: lint, and every test that starts no gunicorn host (under a minute).
+test-fast: lint
+	$(BIN)/python -m pytest -m "not gunicorn" -q
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .

@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 
 from polyserve import settings
 from polyserve.app import create_app
-from tests.conftest import make_tar
+from tests.helpers import make_tar
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +15,7 @@ from polyserve import auth as auth_mod
 from polyserve import settings
 from polyserve.app import create_app
 from polyserve.auth import EXIT_BAD_TOKENS_FILE, add_token, digest, load_tokens
-from tests.conftest import REPO, free_port
-from tests.test_host import until
+from tests.helpers import REPO, HostProcess
 
 HELLO = ("main.py", b"def handle(request):\n    return 'hi'\n")
 REMOTE = ("203.0.113.9", 40000)  # a documentation address: any non-loopback peer
@@ -253,26 +250,13 @@ def test_add_token_starts_a_new_line_after_a_hand_edited_last_line(tmp_path):
 # -- real hosts ----------------------------------------------------------------------
 
 
+@pytest.mark.gunicorn
 def test_a_host_with_a_bad_tokens_file_does_not_start(tmp_path):
     tokens = tmp_path / "tokens.txt"
     tokens.write_text(f"# owners\nalice {GOOD}\n* {GOOD}\n")
-    env = {
-        **os.environ,
-        "POLYSERVE_BIND": f"127.0.0.1:{free_port()}",
-        "POLYSERVE_WORKERS": "1",
-        "POLYSERVE_DATA_DIR": str(tmp_path / "data"),
-        "POLYSERVE_TOKENS_FILE": str(tokens),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == EXIT_BAD_TOKENS_FILE, log
+    host = HostProcess(tmp_path / "data", workers=1, POLYSERVE_TOKENS_FILE=str(tokens))
+    code, log = host.start_expecting_exit()
+    assert code == EXIT_BAD_TOKENS_FILE, log
     assert f"{tokens}:3: invalid owner '*'" in log
     assert "Traceback" not in log and "Booting worker" not in log
 
@@ -327,8 +311,6 @@ def test_a_space_does_not_see_the_plaintext_admin_token(host_factory):
     check("at start")
     # A HUP re-reads gunicorn.conf.py and the settings from the rewritten environment in
     # fresh workers: they must still know the admin token, and still not show it.
-    old = h.worker_pids()
-    h.proc.send_signal(signal.SIGHUP)
-    until(lambda: h.worker_pids().isdisjoint(old) and h.worker_pids(), what="HUP")
+    h.hup()
     h.wait_ready()
     check("after a HUP")

@@ -15,8 +15,7 @@ from starlette.testclient import TestClient
 
 from polyserve import settings
 from polyserve.app import create_app
-from tests.conftest import HostProcess, make_tar
-from tests.test_unpack import dot_entries_tgz, long_name_tgz
+from tests.helpers import HostProcess, dot_entries_tgz, long_name_tgz, make_tar
 
 V1 = b"def handle(request):\n    return 'v1'\n"
 OUTSIDE = Path("/tmp/polyserve-must-not-exist")  # where an escaping link would write

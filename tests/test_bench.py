@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def run_bench(script: str, *args: str) -> dict:
@@ -29,6 +29,7 @@ def test_cold_start_bench_runs_one_short_round():
     assert result["reimport_second_half"]["modules_growth"] == 0
 
 
+@pytest.mark.gunicorn  # bench/run.py starts hosts
 @pytest.mark.skipif(
     shutil.which("wrk") is None,
     reason="make bench drives load with wrk: install it with `apt-get install wrk` (.ci/run does)",

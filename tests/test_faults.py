@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx2
 
 from polyserve.shm import segment_name
-from tests.conftest import HostProcess
-from tests.test_host import until
+from tests.helpers import HostProcess, until
 
 SYNC = "import os\ndef handle(request):\n    return {'pid': os.getpid()}\n"
 
@@ -95,12 +94,7 @@ def test_hup_under_load_keeps_serving_and_counting(host_factory, capsys):
     assert host.deploy("f/hup", SYNC).status_code == 200
     with Load(host, "/s/f/hup/") as load:
         until(lambda: load.served >= 200, what="load to make progress")
-        old = host.worker_pids()
-        host.proc.send_signal(signal.SIGHUP)
-        until(
-            lambda: host.worker_pids().isdisjoint(old) and len(host.worker_pids()) == 2,
-            what="HUP to replace every worker",
-        )
+        host.hup()
         served_at_hup = load.served
         until(lambda: load.served >= served_at_hup + 200, what="load after the HUP")
     assert requests(host, "f/hup") >= load.served

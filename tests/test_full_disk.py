@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 
 from polyserve import settings, store
 from polyserve.app import create_app
-from tests.conftest import make_tar
+from tests.helpers import make_tar
 
 V1 = ("main.py", b"def handle(request):\n    return 'v1'\n")
 V2 = ("main.py", b"def handle(request):\n    return 'v2'\n")

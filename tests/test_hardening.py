@@ -8,7 +8,6 @@ Every host here binds 127.0.0.1 and runs one worker; every wait polls with a dea
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,20 +19,13 @@ from websockets.sync.client import connect
 from polyserve import settings as settings_mod
 from polyserve.app import create_app
 from polyserve.worker import Worker
-from tests.conftest import HostProcess
-from tests.test_host import until
+from tests.helpers import HostProcess, module_host, until
 
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def host1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostProcess]:
-    """One 1-worker host shared by this module's deploy-and-call tests."""
-    h = HostProcess(
-        tmp_path_factory.mktemp("hardening") / "data", workers=1, POLYSERVE_IMPORT_TIMEOUT="10"
-    ).start()
-    yield h
-    h.stop()
+# One 1-worker host shared by this module's deploy-and-call tests.
+host1 = module_host("host1", workers=1, POLYSERVE_IMPORT_TIMEOUT="10")
 
 
 def usage(host: HostProcess) -> dict:
@@ -297,13 +289,7 @@ def handle(request):
 """
 
 
-@pytest.fixture(scope="module")
-def threads_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostProcess]:
-    h = HostProcess(
-        tmp_path_factory.mktemp("threads") / "data", workers=1, POLYSERVE_SPACE_THREADS="4"
-    ).start()
-    yield h
-    h.stop()
+threads_host = module_host("threads_host", workers=1, POLYSERVE_SPACE_THREADS="4")
 
 
 def _fire(host: HostProcess, path: str, n: int) -> tuple[ThreadPoolExecutor, list]:
@@ -448,14 +434,13 @@ app = Starlette(routes=[
 WHOLE_STREAM = "".join(f"chunk {i}\n" for i in range(6))
 
 
+deadline_host1 = module_host("deadline_host1", workers=1, POLYSERVE_REQUEST_TIMEOUT="1")
+
+
 @pytest.fixture(scope="module")
-def deadline_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostProcess]:
-    h = HostProcess(
-        tmp_path_factory.mktemp("deadline") / "data", workers=1, POLYSERVE_REQUEST_TIMEOUT="1"
-    ).start()
-    assert h.deploy("d/live", STREAM_AND_SOCKET).status_code == 200
-    yield h
-    h.stop()
+def deadline_host(deadline_host1: HostProcess) -> HostProcess:
+    assert deadline_host1.deploy("d/live", STREAM_AND_SOCKET).status_code == 200
+    return deadline_host1
 
 
 def test_a_started_stream_outlives_the_request_deadline(deadline_host):

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2
-import pytest
 
 from polyserve.hooks import EXIT_DATA_DIR_BUSY
 from polyserve.shm import segment_name
-from tests.conftest import REPO, HostProcess, make_tar
+from tests.helpers import REPO, HostProcess, make_tar, until
 
 WHO = """
 import os
@@ -24,17 +22,6 @@ def handle(request):
 
 def who(version: str) -> str:
     return WHO.format(version=version)
-
-
-def until(predicate, timeout: float = 30.0, what: str = "condition"):
-    """Poll until predicate() is truthy; tests never sleep a fixed time."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def all_workers(host: HostProcess, path: str) -> dict[int, object]:
@@ -226,10 +213,9 @@ def test_a_second_host_on_the_same_data_dir_refuses_to_start(host_factory):
     host = host_factory("shared")
     other = HostProcess(host.data_dir)
     other.log = host.data_dir.parent / "other-gunicorn.log"
-    with pytest.raises(AssertionError):  # wait_ready() sees the master exit
-        other.start()
-    assert other.proc.wait(timeout=10) == EXIT_DATA_DIR_BUSY
-    assert "another polyserve host is using" in other.tail()
+    code, log = other.start_expecting_exit()
+    assert code == EXIT_DATA_DIR_BUSY, log
+    assert "another polyserve host is using" in log
     assert host.get("/_polyserve/health").status_code == 200
 
 

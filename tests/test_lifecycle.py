@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2 as httpx
 
-from tests.conftest import HostProcess, make_tar
-
-
-def poll(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+from tests.helpers import HostProcess, make_tar, until
 
 
 def usage(host: HostProcess) -> dict:
@@ -42,7 +35,7 @@ def test_deleted_spaces_give_their_slots_back_and_keep_their_usage(host_factory)
     assert host.deploy("x/b", HELLO).status_code == 200
     assert delete(host, "x/b").status_code == 200
     assert host.get("/_polyserve/spaces").json() == {"spaces": {}}
-    poll(lambda: not usage(host)["x/a"]["loaded"], "x/a to be released in every worker")
+    until(lambda: not usage(host)["x/a"]["loaded"], 20, "x/a to be released in every worker")
 
     r = host.deploy("x/c", HELLO)
     assert r.status_code == 200, r.text
@@ -79,14 +72,23 @@ def lazy_space(value: str, marker: Path) -> bytes:
     return make_tar({"main.py": main, "helpers.py": f"VALUE = {value!r}\n"})
 
 
-def slow_call(host: HostProcess, space: str, answers: list[httpx.Response]) -> threading.Thread:
+@contextlib.contextmanager
+def slow_call(host: HostProcess, space: str, marker: Path) -> Iterator[list[httpx.Response]]:
+    """A call to a lazy space's /slow, in flight for the with-block; after it the marker
+    lets the call end, and the list holds its answer."""
+    answers: list[httpx.Response] = []
     thread = threading.Thread(target=lambda: answers.append(host.get(f"/s/{space}/slow")))
     thread.start()
-    return thread
-
-
-def wait_in_flight(host: HostProcess, n: int) -> None:
-    poll(lambda: host.get("/_polyserve/usage").json()["host"]["in_flight"] >= n, "in flight")
+    try:
+        until(
+            lambda: host.get("/_polyserve/usage").json()["host"]["in_flight"] >= 1,
+            20,
+            "the slow call to be in flight",
+        )
+        yield answers
+    finally:
+        marker.touch()
+        thread.join(30)
 
 
 def test_a_draining_request_reads_its_version_while_newer_ones_are_deployed(host_factory, tmp_path):
@@ -94,19 +96,15 @@ def test_a_draining_request_reads_its_version_while_newer_ones_are_deployed(host
     host = host_factory(workers=1)
     marker = tmp_path / "go"
     assert host.deploy("o/lazy", lazy_space("v1", marker), "s.tar").status_code == 200
-    answers: list[httpx.Response] = []
-    thread = slow_call(host, "o/lazy", answers)
-    wait_in_flight(host, 1)
-    for n in range(2, 7):
-        assert host.deploy("o/lazy", lazy_space(f"v{n}", marker), "s.tar").status_code == 200
     versions = host.data_dir / "spaces" / "o" / "lazy" / "versions"
-    assert (versions / "1").is_dir()
-    marker.touch()
-    thread.join(30)
+    with slow_call(host, "o/lazy", marker) as answers:
+        for n in range(2, 7):
+            assert host.deploy("o/lazy", lazy_space(f"v{n}", marker), "s.tar").status_code == 200
+        assert (versions / "1").is_dir()
     assert answers[0].status_code == 200 and answers[0].text == "v1", answers[0].text
     assert host.get("/s/o/lazy/").text == "v6"
     # Once the request ended and v1 was dropped, the worker pruned what nobody uses.
-    poll(lambda: not (versions / "1").exists(), "v1 to be pruned")
+    until(lambda: not (versions / "1").exists(), 20, "v1 to be pruned")
     kept = sorted(int(p.name) for p in versions.iterdir() if p.is_dir())
     assert kept == [4, 5, 6]
 
@@ -116,13 +114,9 @@ def test_a_deleted_space_keeps_the_version_a_draining_request_reads(host_factory
     host = host_factory(workers=1)
     marker = tmp_path / "go"
     assert host.deploy("o/gone", lazy_space("last", marker), "s.tar").status_code == 200
-    answers: list[httpx.Response] = []
-    thread = slow_call(host, "o/gone", answers)
-    wait_in_flight(host, 1)
-    assert delete(host, "o/gone").status_code == 200
-    assert host.get("/s/o/gone/").status_code == 404
-    marker.touch()
-    thread.join(30)
+    with slow_call(host, "o/gone", marker) as answers:
+        assert delete(host, "o/gone").status_code == 200
+        assert host.get("/s/o/gone/").status_code == 404
     assert answers[0].status_code == 200 and answers[0].text == "last"
     versions = host.data_dir / "spaces" / "o" / "gone" / "versions"
-    poll(lambda: list(versions.iterdir()) == [], "the deleted space's files to go")
+    until(lambda: list(versions.iterdir()) == [], 20, "the deleted space's files to go")

@@ -11,21 +11,18 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
+import pytest
 
 from polyserve import hooks, meter
 from polyserve.meter import CELLS, Cell
 from polyserve.shm import H_ALIVE, Table, segment_name
-from tests.conftest import REPO, HostProcess
-from tests.test_host import until
-from tests.test_usage import alive
+from tests.helpers import HostProcess, alive, until
 
 SHM = Path("/dev/shm")
 # Answers at once, or after ?sleep=<seconds>: a request that keeps its worker draining.
@@ -48,28 +45,9 @@ def taken_port() -> Iterator[int]:
 
 def failed_start(data_dir: Path, port: int) -> int:
     """Run a master on a port in use; gunicorn gives up binding it. Its exit status."""
-    log = data_dir.parent / f"{data_dir.name}-failed-gunicorn.log"
-    env = {
-        **os.environ,
-        "POLYSERVE_BIND": f"127.0.0.1:{port}",
-        "POLYSERVE_WORKERS": "1",
-        "POLYSERVE_DATA_DIR": str(data_dir),
-    }
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=out,
-        )
-    try:
-        code = proc.wait(timeout=60)  # gunicorn tries to bind 5 times, 1 s apart
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert "Connection in use" in log.read_text(errors="replace")
+    failed = HostProcess(data_dir, workers=1)
+    code, log = failed.start_expecting_exit(port)  # gunicorn tries to bind 5 times, 1 s apart
+    assert "Connection in use" in log
     return code
 
 
@@ -84,6 +62,7 @@ def segments_since(data_dir: Path, started_ns: int) -> list[str]:
     return found
 
 
+@pytest.mark.gunicorn
 def test_a_start_on_a_port_in_use_leaves_no_segment(tmp_path):
     data_dir = tmp_path / "data"
     shm = SHM / segment_name(str(data_dir))
@@ -142,10 +121,7 @@ def test_a_restart_after_kill_9_of_the_master_does_not_wait_for_its_workers(host
         assert host.get("/s/m/slow/").text == "done"
         assert any(alive(p) for p in old_workers), "the old worker drained: nothing proven"
     finally:
-        for pid in old_workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        until(lambda: not any(alive(p) for p in old_workers), what="old workers to be gone")
+        _kill(old_workers)
         request.join(timeout=60)
 
 
@@ -244,13 +220,13 @@ def test_what_old_workers_answer_after_the_restart_is_counted_on_the_new_host(ho
         assert calls.answers == [(200, "done")] * slow
         # Counted once every old worker is gone, at the new master's next checkpoint.
         want = {FAST: fast, SLOW: slow}
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            got = {space: _space(host, space)["requests"] for space in want}
-            if got == want:
-                break
-            time.sleep(0.05)
-        assert got == want
+
+        def counted() -> dict[str, int]:
+            return {space: _space(host, space)["requests"] for space in want}
+
+        with contextlib.suppress(AssertionError):  # the assert below shows what was counted
+            until(lambda: counted() == want, what="the late counts")
+        assert counted() == want
         late = _space(host, SLOW)
         assert late["errors"] == 0 and late["busy_ms"] >= slow * SLOW_S * 1000
         assert late["warm_s"] >= SLOW_S  # folded by each old worker as it left

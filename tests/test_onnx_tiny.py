@@ -15,7 +15,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from polyserve import loader
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 EXAMPLE = REPO / "examples" / "python-onnx-tiny"
 META = json.loads((EXAMPLE / "model.json").read_text())

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from polyserve import settings
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def test_defaults_match_the_documented_ones():

@@ -21,7 +21,7 @@ from polyserve.meter import CELLS, Cell, Meter
 from polyserve.shm import Table
 from polyserve.spaces import NotDeployed, Registry
 from polyserve.store import Store
-from tests.conftest import make_tar
+from tests.helpers import make_tar
 
 TTL = 100.0
 

@@ -12,7 +12,7 @@ import pytest
 from polyserve.errors import ClientError
 from polyserve.names import parse_space
 from polyserve.store import KEEP_VERSIONS, Store
-from tests.conftest import make_tar
+from tests.helpers import make_tar
 
 
 @pytest.fixture

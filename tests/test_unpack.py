@@ -17,11 +17,18 @@ import pytest
 from polyserve.errors import ClientError
 from polyserve.store import Store
 from polyserve.unpack import MAX_NAME_BYTES, MAX_TAR_ENTRIES, extract_tar
-from tests.conftest import REPO, make_tar
+from tests.helpers import (
+    BIG,
+    MAIN,
+    REPO,
+    GzipWriter,
+    dot_entries_tgz,
+    long_name_tgz,
+    make_tar,
+    tar_header,
+)
 
 CAP = 1 << 20  # the unpacked cap every test passes: 1 MiB
-BIG = 64 << 20  # what the hostile payloads would unpack to without the caps
-MAIN = b"def handle(request):\n    return 'ok'\n"
 
 
 @pytest.fixture
@@ -72,83 +79,28 @@ def deep_path(nbytes: int, leaf: str = "f.py") -> str:
     return "/".join([*parts, leaf])
 
 
-# -- payloads built header by header, so the test never holds the 64 MiB they expand to --
-
-
-class _GzipWriter:
-    def __init__(self, path: Path) -> None:
-        self.out = path.open("wb")
-        self.zip = zlib.compressobj(9, zlib.DEFLATED, 31)  # 31: gzip framing
-        self.written = 0
-
-    def write(self, data: bytes) -> None:
-        self.written += len(data)
-        self.out.write(self.zip.compress(data))
-
-    def repeat(self, byte: bytes, count: int) -> None:
-        chunk = byte * (1 << 20)
-        while count > 0:
-            self.write(chunk[:count])
-            count -= len(chunk)
-
-    def pad(self) -> None:
-        self.write(b"\0" * (-self.written % tarfile.BLOCKSIZE))
-
-    def close(self) -> None:
-        self.write(b"\0" * 2 * tarfile.BLOCKSIZE)
-        self.out.write(self.zip.flush())
-        self.out.close()
-
-
-def _header(name: str, size: int, kind: bytes = tarfile.REGTYPE) -> bytes:
-    info = tarfile.TarInfo(name)
-    info.size, info.type = size, kind
-    return info.tobuf(tarfile.GNU_FORMAT)
-
-
-def long_name_tgz(path: Path, size: int = BIG) -> Path:
-    """A GNU long-name (`L`) header whose name is `size` bytes, then a member it names."""
-    out = _GzipWriter(path)
-    out.write(_header("././@LongLink", size + 1, tarfile.GNUTYPE_LONGNAME))
-    out.repeat(b"a", size)
-    out.write(b"\0")
-    out.pad()
-    out.write(_header("x", 0))
-    out.close()
-    return path
+# -- more payloads built header by header (helpers.GzipWriter): never held whole in memory --
 
 
 def pax_value_tgz(path: Path, size: int = BIG) -> Path:
     """A pax (`x`) header holding one `comment` record of `size` bytes, then main.py."""
-    out = _GzipWriter(path)
+    out = GzipWriter(path)
     record = len(" comment=\n") + size
     record += len(str(record + len(str(record))))  # the length counts its own digits
-    out.write(_header("PaxHeader", record, tarfile.XHDTYPE))
+    out.write(tar_header("PaxHeader", record, tarfile.XHDTYPE))
     out.write(f"{record} comment=".encode())
     out.repeat(b"c", size)
     out.write(b"\n")
     out.pad()
-    out.write(_header("main.py", 0))
-    out.close()
-    return path
-
-
-def dot_entries_tgz(path: Path, count: int = 50_001) -> Path:
-    """`count` directory entries named `./` (what `tar -C dir .` starts with), then main.py."""
-    out = _GzipWriter(path)
-    dot = _header("./", 0, tarfile.DIRTYPE)
-    for _ in range(count):
-        out.write(dot)
-    out.write(_header("./main.py", len(MAIN)) + MAIN)
-    out.pad()
+    out.write(tar_header("main.py", 0))
     out.close()
     return path
 
 
 def zeros_tgz(path: Path, size: int = BIG) -> Path:
     """A classic gzip bomb: one member of `size` zero bytes."""
-    out = _GzipWriter(path)
-    out.write(_header("main.py", size))
+    out = GzipWriter(path)
+    out.write(tar_header("main.py", size))
     out.repeat(b"\0", size)
     out.close()
     return path
@@ -156,13 +108,13 @@ def zeros_tgz(path: Path, size: int = BIG) -> Path:
 
 def header_bomb_tgz(path: Path, count: int = 4000) -> Path:
     """Empty members behind 16 KiB pax comments: only headers, never a declared byte."""
-    out = _GzipWriter(path)
+    out = GzipWriter(path)
     record = b"16397 comment=" + b"h" * 16382 + b"\n"
     assert len(record) == 16397
     for i in range(count):
-        out.write(_header("PaxHeader", len(record), tarfile.XHDTYPE) + record)
+        out.write(tar_header("PaxHeader", len(record), tarfile.XHDTYPE) + record)
         out.pad()
-        out.write(_header(f"f{i}.py", 0))
+        out.write(tar_header(f"f{i}.py", 0))
     out.close()
     return path
 
@@ -225,11 +177,11 @@ def test_bytes_are_counted_as_they_are_read(tmp_path):
 
 def test_a_chain_of_extension_headers_is_a_422_not_a_crash(store, tmp_path):
     """tarfile recurses once per extension header: 2,000 in a row used to be a 500."""
-    out = _GzipWriter(tmp_path / "chain.tgz")
+    out = GzipWriter(tmp_path / "chain.tgz")
     for _ in range(2000):
-        out.write(_header("././@LongLink", 2, tarfile.GNUTYPE_LONGNAME) + b"a\0")
+        out.write(tar_header("././@LongLink", 2, tarfile.GNUTYPE_LONGNAME) + b"a\0")
         out.pad()
-    out.write(_header("main.py", 0))
+    out.write(tar_header("main.py", 0))
     out.close()
     err = refused(store, (tmp_path / "chain.tgz").read_bytes())
     assert err.status == 422 and "extension headers in a row" in err.error
@@ -268,9 +220,9 @@ def test_sparse_files_are_refused(store):
 
 def test_a_negative_size_is_refused(store, tmp_path):
     """GNU base-256 sizes can be negative, which would take bytes off the declared total."""
-    main = _header("main.py", len(MAIN)) + MAIN.ljust(tarfile.BLOCKSIZE, b"\0")
-    blob = _header("blob", 2 * CAP) + bytes(2 * CAP)
-    content = main + _header("neg", -(1 << 40)) + blob + bytes(2 * tarfile.BLOCKSIZE)
+    main = tar_header("main.py", len(MAIN)) + MAIN.ljust(tarfile.BLOCKSIZE, b"\0")
+    blob = tar_header("blob", 2 * CAP) + bytes(2 * CAP)
+    content = main + tar_header("neg", -(1 << 40)) + blob + bytes(2 * tarfile.BLOCKSIZE)
     err = refused(store, content, "neg.tar")
     assert err.status == 422 and "negative size" in err.error
 

@@ -12,8 +12,7 @@ import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
 from polyserve.shm import segment_name
-from tests.conftest import HostProcess
-from tests.test_host import until
+from tests.helpers import HostProcess, alive, until
 
 SYNC = "import os\ndef handle(request):\n    return {'pid': os.getpid()}\n"
 SLEEPY = "import time\ndef handle(request):\n    time.sleep(0.2)\n    return 'done'\n"
@@ -26,21 +25,6 @@ def usage(host: HostProcess, space: str) -> dict:
 def call(host: HostProcess, space: str, n: int) -> None:
     for _ in range(n):
         assert host.get(f"/s/{space}/").status_code == 200
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
-    except (FileNotFoundError, IndexError):
-        return "zombie"
 
 
 def test_concurrent_requests_are_counted_exactly(host_factory):
@@ -101,12 +85,7 @@ def test_hup_keeps_the_counts(host_factory):
     host = host_factory()
     assert host.deploy("u/h", SYNC).status_code == 200
     call(host, "u/h", 30)
-    old = host.worker_pids()
-    host.proc.send_signal(signal.SIGHUP)
-    until(
-        lambda: host.worker_pids().isdisjoint(old) and len(host.worker_pids()) == 2,
-        what="HUP to replace every worker",
-    )
+    host.hup()
     assert usage(host, "u/h")["requests"] == 30
     call(host, "u/h", 5)
     assert usage(host, "u/h")["requests"] == 35
