@@ -122,6 +122,9 @@ async def _check(root: Path, entry: str, timeout: float) -> tuple[dict[str, obje
 
     from polyserve import loader
 
+    # anyio starts its worker threads at first use; a worker pays that at boot, so the
+    # import time reported is the module's own.
+    await anyio.to_thread.run_sync(lambda: None)
     started = time.perf_counter()
     try:
         imported = await anyio.to_thread.run_sync(
