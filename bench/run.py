@@ -338,6 +338,22 @@ def scenario_metering(args, tmp: Path) -> dict:
     }
 
 
+def scenario_fleet(args, tmp: Path) -> dict:
+    result = run_script(
+        "fleet.py", "--deploys", str(args.deploys), "--spaces", str(args.usage_spaces)
+    )
+    if "skipped" in result:
+        return {"a": "-", "b": "-", "goal": "-", "met": False, **result}
+    return {
+        "a": "a fleet of 3 hosts on one PostgreSQL (1 worker each)",
+        "b": "a single host (no database), deploys alternated with the fleet's",
+        "goal": "fleet deploy p50 <= 2x a single host's; catch-up >= 200 versions/s;"
+        " fleet usage <= 100 ms with 3 hosts x 10,000 spaces",
+        "met": all(part["met"] for part in result.values()),
+        **result,
+    }
+
+
 SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
     "dispatch overhead": scenario_dispatch,
     "in-process vs a model server": scenario_model_server,
@@ -347,6 +363,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
     "deploy": scenario_deploy,
     "scaling": scenario_scaling,
     "metering": scenario_metering,
+    "fleet": scenario_fleet,
 }
 
 

@@ -30,6 +30,8 @@ from polyserve.deadlines import Deadlines
 from polyserve.deploys import Deploys
 from polyserve.dispatch import Dispatch, answer
 from polyserve.errors import ClientError
+from polyserve.fleet.client import FleetClient
+from polyserve.fleet.db import Unreachable
 from polyserve.meter import CELLS, Meter
 from polyserve.shm import Table
 from polyserve.spaces import Registry
@@ -65,6 +67,7 @@ async def running_host(
     # can exhaust: sync handle()s have per-space limiters, and tenants' ASGI apps share
     # anyio's default one.
     threads = anyio.CapacityLimiter(HOST_THREADS)
+    fleet = FleetClient(s, store, threads) if s.database_url else None
     registry = Registry(
         store,
         broadcast,
@@ -74,6 +77,7 @@ async def running_host(
         clock=clock,
         space_threads=s.space_threads,
         host_limiter=threads,
+        fetch=fleet.fetch if fleet is not None else None,
     )
     deadlines = Deadlines(s.request_timeout)
     host = Host(
@@ -83,7 +87,7 @@ async def running_host(
         broadcast=broadcast,
         registry=registry,
         dispatch=Dispatch(registry, usage, deadlines),
-        deploys=Deploys(s, store, broadcast, table, threads, registry.refresh),
+        deploys=Deploys(s, store, broadcast, table, threads, registry.refresh, fleet),
     )
     # Off the main thread (an in-process test client) there is no signal handler:
     # requests still read the generation word, which alone keeps the contract.
@@ -103,6 +107,8 @@ async def running_host(
         for task in background:
             task.cancel()
         await registry.close()
+        if fleet is not None:
+            fleet.db.close()
 
 
 class ControlPlane:
@@ -122,6 +128,7 @@ class ControlPlane:
             Route("/_polyserve/spaces/{owner}/{name}/release", self.release, methods=["POST"]),
             Route("/_polyserve/usage", self.usage, methods=["GET"]),
             Route("/_polyserve/health", self.health, methods=["GET"]),
+            Route("/_polyserve/fleet", self.fleet, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/_polyserve/openapi.json", self.openapi, methods=["GET"]),
         ]
@@ -150,24 +157,24 @@ class ControlPlane:
                         "missing file field `module`: send -F module=@file.py"
                         " or -F module=@space.tar",
                     )
-                deployed = await self.running.deploys.deploy(
+                status, body = await self.running.deploys.deploy(
                     space, module.file, module.filename or ""
                 )
         except _TooLarge:
             raise _too_large(limit) from None
-        return JSONResponse(deployed)
+        return JSONResponse(body, status_code=status)
 
     async def delete(self, request: Request) -> Response:
         space = self._space_to_write(request)
-        await self.running.deploys.undeploy(space)
-        return JSONResponse({"space": space, "deleted": True})
+        status, body = await self.running.deploys.undeploy(space)
+        return JSONResponse({"space": space, "deleted": True, **body}, status_code=status)
 
     async def release(self, request: Request) -> Response:
         """Release a space in every worker now, as the idle reaper would (for operators,
         and for cold-start benchmarks)."""
         space = self._space_to_write(request)
-        signalled = await self.running.deploys.release(space)
-        return JSONResponse({"space": space, "released": True, "workers_signalled": signalled})
+        status, body = await self.running.deploys.release(space)
+        return JSONResponse({"space": space, "released": True, **body}, status_code=status)
 
     def _space_to_write(self, request: Request) -> str:
         space = f"{request.path_params['owner']}/{request.path_params['name']}"
@@ -185,11 +192,33 @@ class ControlPlane:
         return JSONResponse({"spaces": spaces})
 
     async def usage(self, request: Request) -> Response:
+        scope = request.query_params.get("scope", "host")
+        if scope == "fleet":
+            answer = await self._fleet().usage()
+        elif scope == "host":
+            answer = meter.usage(self._snapshot())
+        else:
+            raise ClientError(400, "scope must be `host` (the default) or `fleet`")
         # orjson: the stdlib's encoder was most of the answer at 10,000 spaces.
-        return Response(orjson.dumps(meter.usage(self._snapshot())), media_type="application/json")
+        return Response(orjson.dumps(answer), media_type="application/json")
+
+    async def fleet(self, request: Request) -> Response:
+        """The fleet's hosts: live or not, and the last change each has applied."""
+        return JSONResponse(await self._fleet().view())
+
+    def _fleet(self) -> FleetClient:
+        fleet = self.running.deploys.fleet
+        if fleet is None:
+            raise ClientError(404, "this host is not in a fleet: set POLYSERVE_DATABASE_URL")
+        return fleet
 
     async def metrics(self, request: Request) -> Response:
-        body = prometheus.exposition(self._snapshot())
+        fleet = self.running.deploys.fleet
+        lag = None
+        if fleet is not None:
+            with contextlib.suppress(Unreachable):  # the lag is unknown, the rest is not
+                lag = await fleet.lag()
+        body = prometheus.exposition(self._snapshot(), lag)
         return Response(body, media_type=prometheus.CONTENT_TYPE)
 
     def _snapshot(self) -> meter.Snapshot:
@@ -239,6 +268,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return JSONResponse({"error": "internal error; see the host log"}, status_code=500)
+
+
 _SPACE_PATH = re.compile(r"/s/([^/]+)/([^/]+)(/.*)?", re.DOTALL)
 
 
@@ -256,7 +289,11 @@ class HostApp:
         self.control_app = Starlette(
             routes=self.control.routes(),
             lifespan=self._lifespan,
-            exception_handlers={ClientError: _client_error, HTTPException: _http_error},
+            exception_handlers={
+                ClientError: _client_error,
+                HTTPException: _http_error,
+                Exception: _server_error,  # a bug of ours: still JSON (and in the log)
+            },
         )
         self._trusted: list[str] | str | None = None
         self._dispatch: ASGIApp = _not_started

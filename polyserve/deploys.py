@@ -8,6 +8,7 @@ worker starts a new request on an older version" holds whoever made the change.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import BinaryIO, TypeVar
@@ -18,6 +19,8 @@ import anyio.to_thread
 from polyserve import meter
 from polyserve.broadcast import Broadcast
 from polyserve.errors import ClientError
+from polyserve.fleet.client import FleetClient
+from polyserve.fleet.db import Change
 from polyserve.settings import Settings, scrubbed_environ
 from polyserve.shm import Table
 from polyserve.store import Staged, Store
@@ -35,6 +38,7 @@ class Deploys:
         table: Table,
         threads: anyio.CapacityLimiter | None,
         refresh: Callable[[], None],
+        fleet: FleetClient | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -42,10 +46,13 @@ class Deploys:
         self.table = table
         self.threads = threads  # the host's own threads: no tenant can exhaust them
         self.refresh = refresh  # this worker's own swap, which no signal reaches
+        self.fleet = fleet  # with POLYSERVE_DATABASE_URL: the fleet's database decides
 
-    async def deploy(self, space: str, upload: BinaryIO, filename: str) -> dict[str, object]:
+    async def deploy(
+        self, space: str, upload: BinaryIO, filename: str
+    ) -> tuple[int, dict[str, object]]:
         """Publish an upload (a .py file or a tar) as the space's next version; returns
-        what the deploy answers. A failure at any step publishes nothing."""
+        the answer's status and body. A failure at any step publishes nothing."""
         s = self.settings
         staged = await self._run(self.store.stage, upload, filename, s.max_unpacked_mb << 20)
         try:
@@ -56,11 +63,19 @@ class Deploys:
                 s.import_memory_mb,
                 env=scrubbed_environ(),
             )
-            number = await self._run(self.publish, space, staged, checked)
+            if self.fleet is None:
+                number = await self._run(self.publish, space, staged, checked)
+            else:  # validated here; every host (this one too) applies it from the fleet
+                meta = {**checked, "space": space, "sha256": staged.sha256, "size": staged.size}
+                meta |= {"entry": staged.entry, "upload": filename, "deployed_at": time.time()}
+                upload.seek(0)
+                change = await self._run(
+                    self.fleet.db.deploy, space, upload.read(), staged.sha256, meta
+                )
+                number = change.version or 0
         finally:
             self.store.discard(staged)  # after a publish the directory has moved: a no-op
-        self._announce()
-        return {
+        body: dict[str, object] = {
             "space": space,
             "version": number,
             "sha256": staged.sha256,
@@ -68,15 +83,35 @@ class Deploys:
             "entry": staged.entry,
             **checked,
         }
+        if self.fleet is None:
+            self._announce()
+            return 200, body
+        status, body["hosts"] = await self.fleet.applied(change)
+        return status, body
 
-    async def undeploy(self, space: str) -> None:
+    async def undeploy(self, space: str) -> tuple[int, dict[str, object]]:
         """Unpublish: requests then answer 404; the files go once nobody uses them."""
+        if self.fleet is not None:
+            return await self._fleet_change(space, self.fleet.db.delete)
         await self._change(space, self.unpublish)
+        return 200, {}
 
-    async def release(self, space: str) -> int:
-        """What the idle reaper does, now and in every worker: the next request imports
-        the space afresh. Returns how many other workers were signalled."""
-        return await self._change(space, self.request_release)
+    async def release(self, space: str) -> tuple[int, dict[str, object]]:
+        """What the idle reaper does, now and in every worker (every host's, in a fleet):
+        the next request imports the space afresh."""
+        if self.fleet is not None:
+            return await self._fleet_change(space, self.fleet.db.release)
+        return 200, {"workers_signalled": await self._change(space, self.request_release)}
+
+    async def _fleet_change(
+        self, space: str, commit: Callable[[str], Change | None]
+    ) -> tuple[int, dict[str, object]]:
+        assert self.fleet is not None
+        change = await self._run(commit, space)
+        if change is None:
+            raise ClientError(404, f"space {space} is not deployed", space=space)
+        status, hosts = await self.fleet.applied(change)
+        return status, {"hosts": hosts}
 
     # -- the changes themselves: synchronous, each under the store lock, not announced ---
 

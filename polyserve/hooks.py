@@ -8,6 +8,7 @@ import fcntl
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -17,6 +18,8 @@ import numpy as np
 
 from polyserve import auth, meter
 from polyserve import settings as settings_mod
+from polyserve.fleet import follower
+from polyserve.leftover import Leftover
 from polyserve.shm import H_STARTED, Table, segment_name
 from polyserve.store import Store
 
@@ -24,105 +27,7 @@ from polyserve.store import Store
 EXIT_DATA_DIR_BUSY = os.EX_TEMPFAIL  # 75: another master serves this data directory
 CHECKPOINT = "usage.json"
 _PR_SET_PDEATHSIG = 1
-_SHM_DIR = "/dev/shm"  # where Linux keeps the POSIX shared memory segments, by name
-_KILLED_WAIT_S = 5.0  # for a SIGKILLed old worker to be gone (see _Master.drain)
-
-
-class _Leftover:
-    """The segment of a master killed with -9, while the workers it left drain into it.
-
-    The kernel sent them SIGTERM (PR_SET_PDEATHSIG): they finish the requests they hold
-    and fold their residency, writing into this segment after the new master has read
-    it. Its name is unlinked at once, so no later master recovers it a second time, but
-    the mapping is kept; once every one of those workers is gone, what they counted
-    after `taken` is added to the new table's base row, once (see _add_late_counts).
-    """
-
-    def __init__(self, table: Table, name: str, taken: np.ndarray) -> None:
-        self.table = table
-        self.path = os.path.join(_SHM_DIR, name)
-        self.inode = os.stat(self.path).st_ino
-        self.taken = taken  # meter.leftover_totals(table) when this master started
-        self.workers: dict[int, tuple[int, int]] = {}  # pid -> (row, start time)
-        self._seen: set[int] = set()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-    def drained(self) -> bool:
-        """Whether no worker of the dead master is left to write into the segment.
-
-        A pid in its rows is taken for one of them when the process maps this segment
-        (by inode), is not a child of this master, and keeps the start time it had then:
-        not a process that reused the pid of a worker long gone, nor one that reuses it
-        later. Its rows are read each time: a worker that was booting publishes late.
-        """
-        for row, pid in enumerate(self.table.pids.tolist()):
-            if pid and pid not in self._seen:
-                self._seen.add(pid)
-                found = _process(pid)
-                if found and found[0] != os.getpid() and _maps(pid, self.path, self.inode):
-                    self.workers[pid] = (row, found[1])
-        self.workers = {
-            pid: (row, start)
-            for pid, (row, start) in self.workers.items()
-            if (found := _process(pid)) is not None and found[1] == start
-        }
-        return not self.workers
-
-
-def _process(pid: int) -> tuple[int, int] | None:
-    """A live process's parent pid and start time (clock ticks after boot); None once it
-    has exited, a zombie included (an orphan's reaper may be slow to collect it)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = stat[stat.rindex(b")") + 2 :].split()  # after the name, which may hold spaces
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[1]), int(fields[19])
-
-
-def _maps(pid: int, path: str, inode: int) -> bool:
-    """Whether the process has the segment (that file, by inode) mapped."""
-    try:
-        with open(f"/proc/{pid}/maps", "rb") as f:
-            maps = f.read()
-    except OSError:  # gone, or another user's: no worker of ours
-        return False
-    ino, name = str(inode).encode(), path.encode()
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)  # address perms offset dev inode path
-        if len(fields) == 6 and fields[4] == ino and fields[5].startswith(name):
-            return True
-    return False
-
-
-def _add_late_counts(table: Table, leftover: Table, taken: np.ndarray) -> None:
-    """Add to the base row what the dead master's workers counted after `taken` was read
-    (= meter.leftover_totals(leftover) then). Call once they are all gone.
-
-    leftover_totals counts a stretch still open (since S) up to the dead master's last
-    checkpoint A, never past it; A does not move, the dead master writes nothing more.
-    With R the residency already folded into RESIDENT_US, a stretch open at `taken`:
-    - was counted then as R + max(A - S, 0);
-    - its worker left gracefully at E (> A: it outlived the dead master) and folded it:
-      RESIDENT_US = R + E - S, LOADED_SINCE = 0, now counted as R + E - S. The delta,
-      E - max(A, S), is the part not billed yet: nothing twice, nothing lost;
-    - its worker ended without folding (kill -9): still R + max(A - S, 0), delta 0,
-      as at start: never billed past what is known;
-    - its worker was killed by this master's on_exit, which folded it at that time K:
-      delta K - max(A, S), as for a graceful exit.
-    A stretch opened and folded after `taken` (a cold start in a drained request) is
-    wholly in the delta; one folded before `taken` is in both, delta 0. The other
-    TOTALS only grow. So no delta is negative, and each stretch is billed once.
-    """
-    late = meter.leftover_totals(leftover) - taken
-    slots = min(table.space_slots, len(late))
-    base = table.cell_array()[table.base_row]
-    for c in meter.TOTALS:
-        base[:slots, c] += late[:slots, c]
+_FOLLOWER_STOP_S = 15.0  # for the fleet follower's last usage write and leave
 
 
 class _Master:
@@ -133,7 +38,7 @@ class _Master:
         s: settings_mod.Settings,
         store: Store,
         table: Table,
-        leftover: _Leftover | None = None,
+        leftover: Leftover | None = None,
         log: Any = None,
     ) -> None:
         self.settings = s
@@ -145,6 +50,30 @@ class _Master:
         self.lock = threading.Lock()  # checkpoint reads vs folding a dead worker's row
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None  # the checkpoint thread
+        self.follower: subprocess.Popen[bytes] | None = None  # with POLYSERVE_DATABASE_URL
+
+    def follow(self) -> None:
+        """Start the fleet follower (again, if it died). A process of its own: the
+        master forks workers at any time, and a forked child must not inherit its
+        database connections."""
+        if not self.settings.database_url or self.stop.is_set():
+            return
+        if self.follower is None or self.follower.poll() is not None:
+            if self.follower is not None:
+                self.log.error(
+                    "the fleet follower exited (%s): starting it again", self.follower.returncode
+                )
+            self.follower = subprocess.Popen([sys.executable, "-m", "polyserve.fleet.follower"])
+
+    def unfollow(self) -> None:
+        """At exit, after the workers: the follower writes the last usage and leaves."""
+        if self.follower is not None and self.follower.poll() is None:
+            self.follower.terminate()
+            try:
+                self.follower.wait(timeout=_FOLLOWER_STOP_S)
+            except subprocess.TimeoutExpired:
+                self.follower.kill()
+                self.follower.wait()
 
     def checkpoint(self) -> None:
         """Write the totals; first fold in the late counts of a dead master's workers,
@@ -154,54 +83,23 @@ class _Master:
         with self.lock:
             if self.leftover is not None and self.leftover.drained():
                 leftover, self.leftover = self.leftover, None  # folded at most once
-                _add_late_counts(self.table, leftover.table, leftover.taken)
-                leftover.table.close()
+                leftover.fold_into(self.table)
                 self.log.info("counted what the workers of the master that died answered since")
             meter.checkpoint(
                 self.table, self.store.slots.ledger(), self.checkpoint_path, meter.now_us()
             )
 
     def drain(self, timeout: float) -> None:
-        """At exit: give the dead master's workers `timeout` s more, then kill them, as
-        gunicorn does its own at a graceful stop; a request they had not answered is
-        not counted, and their open residency ends when they are killed."""
-        leftover = self.leftover
-        if leftover is None:
-            return
-        deadline = time.monotonic() + timeout
-        while not leftover.drained() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        killed = dict(leftover.workers)
-        for pid, (_, start) in killed.items():
-            if (found := _process(pid)) is not None and found[1] == start:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + _KILLED_WAIT_S
-        while not leftover.drained() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if killed:
-            self.log.warning(
-                "killed workers %s of the master that died: still busy after %s s",
-                sorted(killed),
-                timeout,
-            )
-        if leftover.workers:  # not gone after SIGKILL (uninterruptible sleep)
-            self.log.error(
-                "workers %s of the master that died did not exit: counts they make from now"
-                " on are lost",
-                sorted(leftover.workers),
-            )
-            leftover.workers.clear()
-        now = meter.now_us()
-        with self.lock:
-            for row, _ in killed.values():
-                meter.fold_row(leftover.table, row, now)  # no writer left in these rows
+        """At exit: the dead master's workers get `timeout` s more (see Leftover.stop)."""
+        if self.leftover is not None:
+            self.leftover.stop(timeout, self.log, self.lock)
 
     def checkpoints(self) -> None:
         """The checkpoint thread: a master killed with -9 loses at most one interval."""
         while not self.stop.wait(self.settings.checkpoint_interval):
             try:
                 self.checkpoint()
+                self.follow()
             except Exception:  # a full disk must not end the thread: try again next time
                 logging.getLogger("polyserve").exception("usage checkpoint failed")
 
@@ -258,6 +156,9 @@ def when_ready(server: Any) -> None:
     s, store = _starting
     _master = _Master(s, store, *_create_table(server, s, store), log=server.log)
     try:
+        if s.database_url:
+            follower.start_boot(store, _master.table)
+            _master.follow()
         _master.thread = threading.Thread(
             target=_master.checkpoints, name="usage-checkpoint", daemon=True
         )
@@ -269,7 +170,7 @@ def when_ready(server: Any) -> None:
 
 def _create_table(
     server: Any, s: settings_mod.Settings, store: Store
-) -> tuple[Table, _Leftover | None]:
+) -> tuple[Table, Leftover | None]:
     """A fresh table whose base row carries the usage of every earlier run: from the
     segment a killed master left (exact), else from the last checkpoint. That segment
     comes along while the workers it left still answer (see _Leftover)."""
@@ -279,7 +180,7 @@ def _create_table(
     earlier: np.ndarray | None
     if attached is not None:
         earlier = meter.leftover_totals(attached)
-        leftover = _Leftover(attached, name, earlier)  # unlinks its name
+        leftover = Leftover(attached, name, earlier)  # unlinks its name
         server.log.warning("recovered usage from the segment of a master that died")
     else:
         earlier = meter.checkpoint_totals(store.root / CHECKPOINT, store.slots.ledger())
@@ -358,6 +259,7 @@ def on_exit(server: Any) -> None:
             _master.thread.join()  # its checkpoint, if one is under way, comes first
         _master.drain(server.cfg.graceful_timeout)
         _master.checkpoint()
+        _master.unfollow()
         _master.table.close(unlink=True)
     if _lock_file is not None:
         _lock_file.close()

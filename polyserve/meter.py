@@ -53,6 +53,7 @@ _REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BU
 # handed over to another space keeps for its old owner (store.Ledger).
 TOTALS = (Cell.REQUESTS, Cell.ERRORS, Cell.BUSY_US, Cell.RESIDENT_US, Cell.LOADS, Cell.IMPORT_US)
 _TOTAL_CELLS = [int(c) for c in TOTALS]
+TOTAL_NAMES = tuple(c.name.lower() for c in TOTALS)  # as checkpoints and the fleet name them
 
 
 def now_us() -> int:
@@ -249,14 +250,21 @@ def usage(snap: Snapshot) -> dict[str, object]:
 # -- checkpoint and restore ------------------------------------------------------------
 
 
+def totals_by_name(table: Table, ledger: Ledger, now: int) -> dict[str, tuple[int, ...]]:
+    """Every space's TOTALS (in that order), open stretches counted up to `now`."""
+    names, t = _by_name(table, totals(table, now), ledger)
+    rows = t[:, _TOTAL_CELLS].tolist()
+    return {name: tuple(row) for name, row in zip(names, rows, strict=True)}
+
+
 def checkpoint(table: Table, ledger: Ledger, path: Path, now: int) -> None:
     """Write every space's totals (open stretches counted to now) atomically to path."""
-    names, t = _by_name(table, totals(table, now), ledger)
     data = {
         "format": 1,
         "saved_at": time.time(),
         "spaces": {
-            name: {c.name.lower(): int(t[i, c]) for c in TOTALS} for i, name in enumerate(names)
+            name: dict(zip(TOTAL_NAMES, values, strict=True))
+            for name, values in totals_by_name(table, ledger, now).items()
         },
     }
     tmp = path.with_name(path.name + ".tmp")

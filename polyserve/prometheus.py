@@ -63,8 +63,9 @@ _SPACE_METRICS: tuple[tuple[str, bool, str, Callable[[Snapshot], np.ndarray]], .
 
 
 class _SnapshotCollector:
-    def __init__(self, snap: Snapshot) -> None:
+    def __init__(self, snap: Snapshot, fleet: tuple[int, int] | None) -> None:
         self.snap = snap
+        self.fleet = fleet
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snap
@@ -84,10 +85,23 @@ class _SnapshotCollector:
             "Seconds since the master started.",
             value=snap.uptime_us / 1e6,
         )
+        if self.fleet is not None:
+            applied, last = self.fleet
+            yield GaugeMetricFamily(
+                "polyserve_fleet_applied_change",
+                "The last fleet change this host has applied.",
+                value=applied,
+            )
+            yield GaugeMetricFamily(
+                "polyserve_fleet_lag_changes",
+                "Fleet changes this host has not applied yet.",
+                value=max(last - applied, 0),
+            )
 
 
-def exposition(snap: Snapshot) -> bytes:
-    """The Prometheus text format for one usage snapshot."""
+def exposition(snap: Snapshot, fleet: tuple[int, int] | None = None) -> bytes:
+    """The Prometheus text format for one usage snapshot; in a fleet, with this host's
+    lag: `fleet` is (the last change it applied, the fleet's last change)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snap))
+    registry.register(_SnapshotCollector(snap, fleet))
     return generate_latest(registry)

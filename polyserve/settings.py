@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +59,7 @@ def _sha256_hex(text: str) -> str:
 # Never echoed in an error, never handed to a subprocess by scrubbed_environ(). The
 # hash is not secret for a random token, but it is where a plaintext token pasted into
 # the wrong variable would end up.
-SECRETS = ("POLYSERVE_DEPLOY_TOKEN", "POLYSERVE_DEPLOY_TOKEN_SHA256")
+SECRETS = ("POLYSERVE_DEPLOY_TOKEN", "POLYSERVE_DEPLOY_TOKEN_SHA256", "POLYSERVE_DATABASE_URL")
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -158,6 +159,46 @@ SETTINGS: tuple[Setting, ...] = (
         _const(8),
         "Threads a space's sync handle() may use at once, per worker (its own limit).",
     ),
+    Setting(
+        "database_url",
+        str,
+        _const(""),
+        "PostgreSQL URL of the fleet this host joins (empty: a single host); libpq's"
+        " PG* variables fill in what it leaves out. Never logged.",
+    ),
+    Setting(
+        "host_id",
+        str,
+        lambda v: f"{socket.gethostname()}:{v['bind'].rsplit(':', 1)[-1]}",
+        "This host's id in the fleet, stable across restarts.",
+        "hostname:port",
+    ),
+    Setting(
+        "advertise_url",
+        str,
+        lambda v: f"http://{v['bind']}",
+        "The URL other hosts and the autoscaler reach this host at.",
+        "http://POLYSERVE_BIND",
+    ),
+    Setting("pool", str, _const("cpu"), "The fleet pool this host serves in (cpu, gpu, …)."),
+    Setting(
+        "fleet_poll_s",
+        _positive_float,
+        _const(1.0),
+        "Seconds between the follower's polls of the fleet, the backstop for a lost NOTIFY.",
+    ),
+    Setting(
+        "fleet_live_s",
+        _positive_float,
+        _const(10.0),
+        "Seconds a host that stopped answering still counts as live in the fleet.",
+    ),
+    Setting(
+        "deploy_wait_s",
+        _positive_float,
+        _const(10.0),
+        "Seconds a fleet deploy waits for every live host to apply it (then: 202).",
+    ),
 )
 
 
@@ -178,6 +219,13 @@ class Settings:
     max_upload_mb: int
     max_unpacked_mb: int
     space_threads: int
+    database_url: str
+    host_id: str
+    advertise_url: str
+    pool: str
+    fleet_poll_s: float
+    fleet_live_s: float
+    deploy_wait_s: float
 
 
 def load(env: Mapping[str, str] | None = None) -> Settings:

@@ -49,7 +49,13 @@ class SlotLog:
             self.refresh()
         return self._slots.get(space)
 
-    def allocate(self, space: str, deleted: Callable[[str], bool], reclaim: Reclaim | None) -> int:
+    def allocate(
+        self,
+        space: str,
+        deleted: Callable[[str], bool],
+        reclaim: Reclaim | None,
+        sync: bool = True,
+    ) -> int:
         """A new slot while the table has room; then the slot of a deleted space that no
         worker uses any more, whose usage stays readable by name (see ledger()). Hold
         the store lock."""
@@ -71,11 +77,20 @@ class SlotLog:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         try:
             os.write(fd, line.encode())
-            os.fsync(fd)  # billing rows are keyed by slot: the map must survive a crash
+            if sync:  # billing rows are keyed by slot: the map must survive a crash
+                os.fsync(fd)
         finally:
             os.close(fd)
         self.refresh()
         return slot
+
+    def sync(self) -> None:
+        """Make every allocation so far durable (after allocate(..., sync=False))."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def refresh(self) -> None:
         """Parse what was appended since the last read (complete lines only)."""

@@ -58,6 +58,7 @@ class Registry:
         clock: Callable[[], float] = time.monotonic,
         space_threads: int = loader.DEFAULT_THREADS,
         host_limiter: anyio.CapacityLimiter | None = None,
+        fetch: Callable[[Version], None] | None = None,
     ) -> None:
         self.store = store
         self.broadcast = broadcast
@@ -68,6 +69,9 @@ class Registry:
         self.space_threads = space_threads
         # Imports run on threads no tenant's sync handlers can take (see HandleApp).
         self.host_limiter = host_limiter
+        # In a fleet: put a version's files in place, for one this host knows only by
+        # its pointer (a host that joined, or caught up far behind, fetches on first use).
+        self.fetch = fetch
         self._collect_at: asyncio.TimerHandle | None = None
         self._collected = 0.0  # loop time of the last collection
         self.active: dict[str, Active] = {}
@@ -164,6 +168,8 @@ class Registry:
             return current
         started, started_us, rss_before = self.clock(), self.meter.clock(), rss_bytes()
         try:
+            if not version.dir.is_dir():
+                await self._fetch(version)
             imported = await anyio.to_thread.run_sync(
                 loader.import_version,
                 space,
@@ -193,6 +199,17 @@ class Registry:
             (now - started) * 1000,
         )
         return active
+
+    async def _fetch(self, version: Version) -> None:
+        if self.fetch is None:
+            raise loader.LoadError(
+                f"the files of {version.space} v{version.number} are missing from the data"
+                " directory"
+            )
+        try:
+            await anyio.to_thread.run_sync(self.fetch, version, limiter=self.host_limiter)
+        except ClientError as exc:
+            raise loader.LoadError(exc.error) from exc
 
     def _hold_current(self, space: str, slot: int) -> Version | None:
         """The current version, held (Broadcast.hold) before any of its files is read.

@@ -99,40 +99,71 @@ class Store:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     def publish(
-        self, space: str, staged: Staged, meta: dict[str, object], reclaim: Reclaim | None = None
+        self,
+        space: str,
+        staged: Staged,
+        meta: dict[str, object],
+        reclaim: Reclaim | None = None,
+        number: int | None = None,
     ) -> tuple[int, int]:
         """Move a validated stage into place and flip `current`. Hold locked(); returns
-        (slot, version number). Pruning is the caller's: only it knows what is held."""
+        (slot, version number). The number is the space's next one, or the one a fleet
+        gave it. Pruning is the caller's: only it knows what is held."""
         sdir = self.space_dir(space)
-        versions = sdir / "versions"
+        if number is None:
+            number = _read_int(sdir / "last") + 1
+        meta = {
+            **meta,
+            "space": space,
+            "version": number,
+            "sha256": staged.sha256,
+            "size": staged.size,
+            "entry": staged.entry,
+            "deployed_at": meta.get("deployed_at", time.time()),
+        }
+        fresh = self.install(space, number, staged)
+        try:
+            slot = self.point(space, number, meta, reclaim)
+        except BaseException:
+            if fresh:  # nothing is active before the flip: undo what this publish wrote
+                shutil.rmtree(sdir / "versions" / str(number), ignore_errors=True)
+                (sdir / "versions" / f"{number}.json").unlink(missing_ok=True)
+            raise
+        return slot, number
+
+    def install(self, space: str, number: int, staged: Staged) -> bool:
+        """Move a stage into place as version `number`, unless that version's files are
+        there already (a fleet host fetching what it has). Hold locked(); returns
+        whether this call put them there."""
+        version_dir = self.space_dir(space) / "versions" / str(number)
+        if version_dir.is_dir():
+            return False
+        with _disk_full_is_507():
+            version_dir.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(staged.dir, version_dir)
+        return True
+
+    def point(
+        self,
+        space: str,
+        number: int,
+        meta: dict[str, object],
+        reclaim: Reclaim | None = None,
+        sync: bool = True,
+    ) -> int:
+        """Make version `number` (with this metadata) current; its files may come later
+        (a fleet host fetches them on first use). Hold locked(); returns the slot."""
+        sdir = self.space_dir(space)
         with _disk_full_is_507():
             slot = self.slots.slot(space)
             if slot is None:
-                slot = self.slots.allocate(space, self._deleted, reclaim)
-            versions.mkdir(parents=True, exist_ok=True)
-            number = _read_int(sdir / "last") + 1
-            meta = {
-                **meta,
-                "space": space,
-                "version": number,
-                "sha256": staged.sha256,
-                "size": staged.size,
-                "entry": staged.entry,
-                "deployed_at": time.time(),
-            }
-            version_dir, meta_path = versions / str(number), versions / f"{number}.json"
-            try:
-                _write_atomic(meta_path, json.dumps(meta).encode())
-                os.rename(staged.dir, version_dir)
+                slot = self.slots.allocate(space, self._deleted, reclaim, sync=sync)
+            (sdir / "versions").mkdir(parents=True, exist_ok=True)
+            _write_atomic(sdir / "versions" / f"{number}.json", json.dumps(meta).encode())
+            if number > _read_int(sdir / "last"):
                 _write_atomic(sdir / "last", str(number).encode())
-                _symlink_atomic(f"versions/{number}", sdir / "current")
-            except BaseException:
-                # Nothing is active before the flip: undo what this publish wrote (the
-                # number may be skipped; numbers are never reused anyway).
-                shutil.rmtree(version_dir, ignore_errors=True)
-                meta_path.unlink(missing_ok=True)
-                raise
-        return slot, number
+            _symlink_atomic(f"versions/{number}", sdir / "current")
+        return slot
 
     def delete(self, space: str) -> int | None:
         """Undeploy: drop `current`; prune() removes the versions once nobody uses them.

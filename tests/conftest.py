@@ -9,6 +9,10 @@ import pytest
 
 from polyserve.shm import segment_name
 from tests.helpers import HOST_FIXTURES, HostProcess, module_host
+from tests.postgres import INSTALL_HINT, PostgresServer, find_bindir
+
+# Fixtures that need a real PostgreSQL server: conftest marks their tests `postgres`.
+POSTGRES_FIXTURES = {"postgres", "fleet_db", "own_postgres"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -17,6 +21,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if HOST_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.gunicorn)
+        if POSTGRES_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.postgres)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -45,3 +51,39 @@ def host_factory(tmp_path: Path) -> Iterator[callable]:
 
 # One 2-worker host shared by a module's tests; each test uses its own space names.
 host = module_host("host")
+
+
+# -- a real PostgreSQL (tests/postgres.py): skipped, saying how to install it, if missing --
+
+
+def _postgres_bindir() -> Path:
+    bindir = find_bindir()
+    if bindir is None:
+        pytest.skip(INSTALL_HINT)
+    return bindir
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One PostgreSQL server for the session; each test takes a database of its own."""
+    server = PostgresServer(_postgres_bindir())
+    try:
+        yield server.start()
+    finally:
+        server.destroy()
+
+
+@pytest.fixture
+def fleet_db(postgres: PostgresServer) -> str:
+    """A fresh database on the session's server (a fleet of its own): its URL."""
+    return postgres.create_database()
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    """A server of the test's own, which it may stop and start (the shared one must not)."""
+    server = PostgresServer(_postgres_bindir())
+    try:
+        yield server.start()
+    finally:
+        server.destroy()

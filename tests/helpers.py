@@ -70,6 +70,9 @@ def _state(pid: int) -> str:
         return "zombie"
 
 
+FOLLOWER = "polyserve.fleet.follower"  # in the follower process's command line
+
+
 class HostProcess:
     """`gunicorn -c gunicorn.conf.py` started by a test, stopped by its PID."""
 
@@ -162,11 +165,22 @@ class HostProcess:
             **kw,
         )
 
-    def worker_pids(self) -> set[int]:
+    def _children(self) -> dict[int, str]:
         out = subprocess.run(
-            ["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True
+            ["ps", "-o", "pid=,args=", "--ppid", str(self.proc.pid)],
+            capture_output=True,
+            text=True,
         ).stdout
-        return {int(p) for p in out.split()}
+        return {int(line.split()[0]): line for line in out.splitlines() if line.strip()}
+
+    def worker_pids(self) -> set[int]:
+        """The master's children but its fleet follower (a process of its own)."""
+        return {pid for pid, args in self._children().items() if FOLLOWER not in args}
+
+    def follower_pid(self) -> int:
+        """The master's fleet follower (a host with POLYSERVE_DATABASE_URL)."""
+        (pid,) = [pid for pid, args in self._children().items() if FOLLOWER in args]
+        return pid
 
     def hup(self) -> None:
         """HUP the master, and wait until every worker is a new one."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from polyserve import hooks, meter
+from polyserve import leftover, meter
 from polyserve.meter import CELLS, Cell
 from polyserve.shm import H_ALIVE, Table, segment_name
 from tests.helpers import HostProcess, alive, until
@@ -129,7 +129,7 @@ def test_a_restart_after_kill_9_of_the_master_does_not_wait_for_its_workers(host
 
 
 def test_late_counts_bill_each_residency_stretch_once():
-    """The fold's arithmetic (hooks._add_late_counts), on private tables: µs clock."""
+    """The fold's arithmetic (leftover.add_late_counts), on private tables: µs clock."""
     alive_at = 1_000  # the dead master's last checkpoint (H_ALIVE)
     old = Table.anonymous(2, 3, CELLS)
     old.set_header(H_ALIVE, alive_at)
@@ -148,7 +148,7 @@ def test_late_counts_bill_each_residency_stretch_once():
     for c in (cells[0, 1], cells[0, 2]):
         c[Cell.RESIDENT_US] += 1_800 - c[Cell.LOADED_SINCE_US]
         c[Cell.LOADED_SINCE_US] = 0
-    hooks._add_late_counts(new, old, taken)
+    leftover.add_late_counts(new, old, taken)
     base = new.cell_array()[new.base_row]
     assert base[1, Cell.REQUESTS] == 7 and base[1, Cell.BUSY_US] == 30
     # Each stretch once, up to its known end: the graceful exit, or the last checkpoint.

@@ -1,0 +1,176 @@
+"""The fleet, measured against one host in the same run: deploys, catch-up, fleet usage.
+
+Needs Debian's PostgreSQL (initdb, pg_ctl); prints one JSON object. Run by `make bench`
+(bench/run.py, scenario "fleet"), or alone: `python bench/fleet.py --deploys 10`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import harness
+import httpx2
+
+sys.path.insert(0, str(harness.REPO))
+from polyserve.fleet.db import FleetDB
+from tests.postgres import PostgresServer, find_bindir
+
+
+def source(n: int) -> bytes:
+    return f"def handle(request):\n    return {{'v': {n}}}\n".encode()
+
+
+def percentile(values: list[float], q: int) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def timed_deploy(url: str, space: str, n: int) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    body = harness.deploy(url, space, "v.py", source(n))
+    return (time.perf_counter() - t0) * 1000, body
+
+
+def fleet_hosts(tmp: Path, url: str, names: list[str], **env: str) -> list[harness.Server]:
+    return [
+        harness.polyserve(
+            1,
+            tmp / f"host-{name}",
+            POLYSERVE_DATABASE_URL=url,
+            POLYSERVE_HOST_ID=name,
+            POLYSERVE_FLEET_POLL_S="0.5",
+            **env,
+        )
+        for name in names
+    ]
+
+
+def deploys(tmp: Path, url: str, n: int) -> dict:
+    """Deploy -> 200 on all of 3 hosts, alternated with deploys to one host alone."""
+    single, fleet = [], []
+    with harness.polyserve(1, tmp / "single") as alone:
+        hosts = fleet_hosts(tmp, url, ["a", "b", "c"])
+        try:
+            for i in range(1, n + 1):
+                ms, _ = timed_deploy(alone.url, "bench/one", i)
+                single.append(ms)
+                ms, body = timed_deploy(hosts[0].url, "bench/fleet", i)
+                assert body["hosts"] == {"applied": 3, "live": 3}, body
+                fleet.append(ms)
+        finally:
+            for host in hosts:
+                host.stop()
+    ratio = harness.median(fleet) / harness.median(single)
+    return {
+        "deploys": n,
+        "single_host": {"p50_ms": harness.median(single), "p99_ms": percentile(single, 99)},
+        "fleet_of_3": {"p50_ms": harness.median(fleet), "p99_ms": percentile(fleet, 99)},
+        "p50_ratio": round(ratio, 2),
+        "met": ratio <= 2,
+    }
+
+
+def catch_up(tmp: Path, url: str, versions: int) -> dict:
+    """A host that missed `versions` deploys (made while it was stopped) catching up."""
+    db = FleetDB(url)
+    (host,) = fleet_hosts(tmp, url, ["late"])
+    host.stop()
+    for i in range(versions):  # straight into the fleet: validation is not what is timed
+        db.deploy(f"bench/c{i % 100}", source(i), _sha(source(i)), _meta(i))
+    last = db.last_change()
+    t0 = time.perf_counter()
+    (host,) = fleet_hosts(tmp, url, ["late"])
+    try:
+        ready = time.perf_counter() - t0
+        while next(h for h in db.hosts(30) if h["id"] == "late")["applied"] < last:
+            time.sleep(0.01)
+        took = time.perf_counter() - t0
+        first = httpx2.get(host.url + "/s/bench/c0/", timeout=30).json()  # fetched on use
+    finally:
+        host.stop()
+        db.close()
+    return {
+        "versions": versions,
+        "seconds_to_applied": round(took, 3),
+        "host_start_s": round(ready, 3),
+        "versions_per_s": round(versions / took, 1),
+        "first_call_after": first,
+        "met": versions / took >= 200,
+    }
+
+
+def fleet_usage(tmp: Path, url: str, spaces: int) -> dict:
+    """GET /_polyserve/usage?scope=fleet with 3 hosts x `spaces` rows in the ledger."""
+    db = FleetDB(url)
+    totals = {f"bench/u{i}": (i, 0, 1000 * i, 10**6, 1, 500) for i in range(spaces)}
+    for host in "xyz":
+        db.write_usage(host, "boot-1", totals)
+    db.close()
+    times = []
+    (host,) = fleet_hosts(tmp, url, ["u"])
+    try:
+        body = httpx2.get(host.url + "/_polyserve/usage?scope=fleet", timeout=60).json()
+        assert len(body["spaces"]) == spaces and body["spaces"]["bench/u7"]["requests"] == 21
+        for _ in range(20):
+            t0 = time.perf_counter()
+            httpx2.get(host.url + "/_polyserve/usage?scope=fleet", timeout=60).raise_for_status()
+            times.append((time.perf_counter() - t0) * 1000)
+    finally:
+        host.stop()
+    p50 = harness.median(times)
+    return {
+        "hosts": 3,
+        "spaces": spaces,
+        "p50_ms": p50,
+        "p99_ms": percentile(times, 99),
+        "met": p50 <= 100,
+    }
+
+
+def _sha(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _meta(i: int) -> dict:
+    return {
+        "kind": "handle",
+        "import_ms": 0.0,
+        "entry": "v.py",
+        "upload": "v.py",
+        "size": len(source(i)),
+        "sha256": _sha(source(i)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--deploys", type=int, default=20)
+    parser.add_argument("--versions", type=int, default=1000)
+    parser.add_argument("--spaces", type=int, default=10_000)
+    args = parser.parse_args()
+    bindir = find_bindir()
+    if bindir is None:
+        print(json.dumps({"skipped": "PostgreSQL is not installed: apt-get install postgresql"}))
+        return
+    server = PostgresServer(bindir).start()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
+    try:
+        result = {
+            "deploy": deploys(tmp / "d", server.create_database(), args.deploys),
+            "catch_up": catch_up(tmp / "c", server.create_database(), args.versions),
+            "fleet_usage": fleet_usage(tmp / "u", server.create_database(), args.spaces),
+        }
+    finally:
+        server.destroy()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

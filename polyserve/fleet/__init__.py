@@ -1,0 +1,1 @@
+"""The fleet: hosts on many machines sharing spaces, deploys and usage through PostgreSQL."""

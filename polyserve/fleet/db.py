@@ -1,0 +1,297 @@
+"""The fleet's database: commit a change, read the changes, fetch a version, hosts and usage."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from polyserve.errors import ClientError
+from polyserve.fleet.schema import CHANGE_LOCK, migrate
+from polyserve.meter import TOTAL_NAMES
+
+CHANNEL = "polyserve_changes"
+CONNECT_TIMEOUT_S = 5
+TCP_USER_TIMEOUT_MS = 10_000  # unacknowledged data this long: the link is gone
+
+
+class Unreachable(ClientError):
+    """The fleet's database did not answer: writes wait, serving goes on."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            503,
+            "the fleet store (PostgreSQL at POLYSERVE_DATABASE_URL) is unreachable: this host"
+            " keeps serving what it has; retry the write when the database is back",
+        )
+
+
+@dataclass(frozen=True)
+class Change:
+    id: int
+    space: str
+    kind: str  # deploy, delete, release
+    version: int | None
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A version as the fleet keeps it."""
+
+    number: int
+    sha256: str
+    meta: dict[str, Any]
+    data: bytes
+
+
+USAGE_COLUMNS = TOTAL_NAMES  # the ledger's columns are the meter's totals
+
+
+class FleetDB:
+    """One process's connection to the fleet's database, shared by its threads (psycopg
+    connections are thread-safe; a lock keeps each transaction to one thread)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url  # never logged: it may hold a password
+        self._conn: psycopg.Connection | None = None
+        self._lock = threading.Lock()
+        self._migrated = False  # once per process: whoever connects first creates the schema
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[psycopg.Connection]:
+        """The connection, reconnected if it was lost; a failure to reach the database is
+        Unreachable (503), and the broken connection is dropped for the next caller."""
+        with self._lock:
+            try:
+                if self._conn is not None and not _alive(self._conn):
+                    self.close()  # the server restarted, or the link broke: a new one
+                if self._conn is None:
+                    self._conn = connect(self.url)
+                    if not self._migrated:
+                        migrate(self._conn)
+                        self._migrated = True
+                yield self._conn
+            except psycopg.OperationalError:
+                self.close()
+                raise Unreachable() from None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+            self._conn = None
+
+    # -- changes -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[psycopg.Connection]:
+        """A transaction that may append to the change log: it holds CHANGE_LOCK, so
+        change ids commit in the order they are assigned and no follower skips one."""
+        with self.session() as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (CHANGE_LOCK,))
+            yield conn
+
+    def deploy(self, space: str, data: bytes, sha256: str, meta: dict[str, Any]) -> Change:
+        """Store a version under the space's next number, make it current, log the change."""
+        with self._changing() as conn:
+            conn.execute(
+                "INSERT INTO polyserve_spaces (name) VALUES (%s) ON CONFLICT DO NOTHING", (space,)
+            )
+            row = conn.execute(
+                "UPDATE polyserve_spaces SET last_version = last_version + 1,"
+                " current_version = last_version + 1 WHERE name = %s RETURNING last_version",
+                (space,),
+            ).fetchone()
+            assert row is not None
+            number = row[0]
+            conn.execute(
+                "INSERT INTO polyserve_versions (space, number, sha256, meta, data)"
+                " VALUES (%s, %s, %s, %s, %s)",
+                (space, number, sha256, Jsonb({**meta, "version": number}), data),
+            )
+            return _log(conn, space, "deploy", number)
+
+    def delete(self, space: str) -> Change | None:
+        """Undeploy everywhere; None when the space is not deployed."""
+        with self._changing() as conn:
+            row = conn.execute(
+                "UPDATE polyserve_spaces SET current_version = NULL"
+                " WHERE name = %s AND current_version IS NOT NULL RETURNING name",
+                (space,),
+            ).fetchone()
+            return None if row is None else _log(conn, space, "delete", None)
+
+    def release(self, space: str) -> Change | None:
+        """Release everywhere (each host's workers import it afresh); None when the
+        space is not deployed."""
+        with self._changing() as conn:
+            row = conn.execute(
+                "SELECT current_version FROM polyserve_spaces"
+                " WHERE name = %s AND current_version IS NOT NULL",
+                (space,),
+            ).fetchone()
+            return None if row is None else _log(conn, space, "release", row[0])
+
+    def changes_since(self, after: int, limit: int) -> list[Change]:
+        with self.session() as conn:
+            rows = conn.execute(
+                "SELECT id, space, kind, version FROM polyserve_changes WHERE id > %s"
+                " ORDER BY id LIMIT %s",
+                (after, limit),
+            ).fetchall()
+        return [Change(*row) for row in rows]
+
+    def pointers(self) -> tuple[int, dict[str, tuple[int, dict[str, Any]] | None]]:
+        """What a joining host needs: the last change id, and each space's current version
+        with its metadata (None: deleted), read in one snapshot; no upload bytes."""
+        with self.session() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            last = conn.execute("SELECT coalesce(max(id), 0) FROM polyserve_changes")
+            row = last.fetchone()
+            rows = conn.execute(
+                "SELECT s.name, s.current_version, v.meta FROM polyserve_spaces s"
+                " LEFT JOIN polyserve_versions v"
+                " ON v.space = s.name AND v.number = s.current_version"
+            ).fetchall()
+        pointers = {name: None if n is None else (n, meta) for name, n, meta in rows}
+        return (row[0] if row else 0), pointers
+
+    def last_change(self) -> int:
+        with self.session() as conn:
+            row = conn.execute("SELECT coalesce(max(id), 0) FROM polyserve_changes").fetchone()
+        return row[0] if row else 0
+
+    def fetch(self, space: str, number: int) -> Stored | None:
+        with self.session() as conn:
+            row = conn.execute(
+                "SELECT number, sha256, meta, data FROM polyserve_versions"
+                " WHERE space = %s AND number = %s",
+                (space, number),
+            ).fetchone()
+        return None if row is None else Stored(row[0], row[1], row[2], bytes(row[3]))
+
+    # -- hosts -----------------------------------------------------------------------
+
+    def join(self, host: str, url: str, pool: str, boot: str) -> int:
+        """Register this host's boot; returns the last change it had applied."""
+        with self.session() as conn:
+            row = conn.execute(
+                "INSERT INTO polyserve_hosts (id, url, pool, boot, started_at, last_seen)"
+                " VALUES (%s, %s, %s, %s, now(), now()) ON CONFLICT (id) DO UPDATE SET"
+                " url = excluded.url, pool = excluded.pool, boot = excluded.boot,"
+                " started_at = now(), last_seen = now(), left_at = NULL"
+                " RETURNING applied",
+                (host, url, pool, boot),
+            ).fetchone()
+        return row[0] if row else 0
+
+    def heartbeat(self, host: str, boot: str, workers: int, applied: int) -> None:
+        with self.session() as conn:
+            conn.execute(
+                "UPDATE polyserve_hosts SET last_seen = now(), workers = %s, applied = %s"
+                " WHERE id = %s AND boot = %s",
+                (workers, applied, host, boot),
+            )
+
+    def leave(self, host: str, boot: str) -> None:
+        """A stop: no deploy waits for this boot of the host any more (a boot that
+        already replaced it, after a restart, stays)."""
+        with self.session() as conn:
+            conn.execute(
+                "UPDATE polyserve_hosts SET left_at = now() WHERE id = %s AND boot = %s",
+                (host, boot),
+            )
+
+    def hosts(self, live_s: float) -> list[dict[str, Any]]:
+        """Every host the fleet has seen, newest first, each with `live`."""
+        with self.session() as conn:
+            rows = conn.execute(
+                "SELECT id, url, pool, boot, workers, applied,"
+                " extract(epoch FROM last_seen)::float8,"
+                " left_at IS NULL AND last_seen > now() - make_interval(secs => %s)"
+                " FROM polyserve_hosts ORDER BY started_at DESC",
+                (live_s,),
+            ).fetchall()
+        keys = ("id", "url", "pool", "boot", "workers", "applied", "last_seen", "live")
+        return [dict(zip(keys, row, strict=True)) for row in rows]
+
+    # -- usage -----------------------------------------------------------------------
+
+    def write_usage(self, host: str, boot: str, totals: dict[str, tuple[int, ...]]) -> None:
+        """This boot's absolute totals per space (USAGE_COLUMNS order): a retry rewrites
+        the same numbers."""
+        if not totals:
+            return
+        with self.session() as conn, conn.transaction(), conn.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO polyserve_usage (host, boot, space, requests, errors, busy_us,"
+                " resident_us, loads, import_us) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " ON CONFLICT (host, boot, space) DO UPDATE SET requests = excluded.requests,"
+                " errors = excluded.errors, busy_us = excluded.busy_us,"
+                " resident_us = excluded.resident_us, loads = excluded.loads,"
+                " import_us = excluded.import_us, updated_at = now()",
+                [(host, boot, space, *values) for space, values in totals.items()],
+            )
+
+    def usage(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        """The ledger summed over every host and boot: per space, and per host."""
+        sums = ", ".join(f"sum({c})::bigint" for c in USAGE_COLUMNS)
+        with self.session() as conn:
+            spaces = conn.execute(
+                f"SELECT space, {sums} FROM polyserve_usage GROUP BY space"
+            ).fetchall()
+            hosts = conn.execute(f"SELECT host, {sums} FROM polyserve_usage GROUP BY host")
+            per_host = hosts.fetchall()
+        return (
+            {space: tuple(values) for space, *values in spaces},
+            {host: tuple(values) for host, *values in per_host},
+        )
+
+
+def connect(url: str) -> psycopg.Connection:
+    """An autocommit connection (libpq reads PG* variables for what the URL leaves out).
+    Keepalives and a TCP user timeout make a link that silently drops packets fail
+    within seconds, not after the kernel's quarter of an hour of retries: a write then
+    answers 503 instead of hanging, and a follower reconnects."""
+    return psycopg.connect(
+        url,
+        autocommit=True,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        keepalives=1,
+        keepalives_idle=5,
+        keepalives_interval=2,
+        keepalives_count=3,
+        tcp_user_timeout=TCP_USER_TIMEOUT_MS,
+    )
+
+
+def _alive(conn: psycopg.Connection) -> bool:
+    """Whether a connection kept from an earlier call still works. A connection the
+    server dropped looks open until it is used: one round trip tells."""
+    if conn.closed:
+        return False
+    try:
+        conn.execute("SELECT 1")
+    except psycopg.OperationalError:
+        return False
+    return True
+
+
+def _log(conn: psycopg.Connection, space: str, kind: str, version: int | None) -> Change:
+    """Append a change under CHANGE_LOCK (held by the caller's transaction) and notify."""
+    row = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM polyserve_changes").fetchone()
+    assert row is not None
+    change = Change(row[0], space, kind, version)
+    conn.execute(
+        "INSERT INTO polyserve_changes (id, space, kind, version) VALUES (%s, %s, %s, %s)",
+        (change.id, space, kind, version),
+    )
+    # Delivered at commit, to every host listening then; the others poll.
+    conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, json.dumps(change.id)))
+    return change

@@ -1,0 +1,265 @@
+"""The master's follower: apply the fleet's changes to this host's data directory, in order.
+
+A change is applied exactly as a local deploy would be — files into place, `current`
+flipped under the store lock, the generation word bumped, the workers signalled — so the
+request path never talks to the database. LISTEN/NOTIFY wakes the follower at once; a
+poll every POLYSERVE_FLEET_POLL_S catches what a host that was not listening missed.
+The last change applied is kept in the data directory and acknowledged in the fleet.
+"""
+
+from __future__ import annotations
+
+import compileall
+import contextlib
+import ctypes
+import hashlib
+import io
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+
+from polyserve import meter
+from polyserve.broadcast import Broadcast
+from polyserve.errors import ClientError
+from polyserve.fleet.db import CHANNEL, Change, FleetDB, Stored, Unreachable, connect
+from polyserve.settings import Settings, load
+from polyserve.shm import Table, segment_name
+from polyserve.store import Store, Version
+
+log = logging.getLogger("polyserve")
+APPLIED = "fleet.applied"  # in the data directory: the last change applied here
+BATCH = 1000
+# A host further behind than this (joining a fleet with a history, a long partition)
+# takes the fleet's pointers and fetches each version's files on first use instead of
+# replaying every change; closer, it applies each change with its files.
+EAGER_LIMIT = 20
+
+
+def fetch_version(db: FleetDB, store: Store, version: Version, max_unpacked: int) -> None:
+    """Put a version's files in place from the fleet, on first use (a worker)."""
+    stored = db.fetch(version.space, version.number)
+    if stored is None:
+        raise ClientError(404, f"{version.space} v{version.number} is not in the fleet store")
+    install(store, version.space, stored, max_unpacked)
+
+
+def install(store: Store, space: str, stored: Stored, max_unpacked: int) -> None:
+    """A fleet version's files into place: sha256 checked, unpacked as an upload is (the
+    same caps), byte-compiled. Nothing happens if they are there already."""
+    if (store.space_dir(space) / "versions" / str(stored.number)).is_dir():
+        return
+    if hashlib.sha256(stored.data).hexdigest() != stored.sha256:
+        raise ClientError(500, f"{space} v{stored.number}: sha256 mismatch in the fleet store")
+    upload = str(stored.meta.get("upload") or "space.tar")
+    staged = store.stage(io.BytesIO(stored.data), upload, max_unpacked)
+    try:
+        compileall.compile_dir(str(staged.dir), quiet=2, workers=1)
+        with store.locked():
+            store.install(space, stored.number, staged)
+    finally:
+        store.discard(staged)
+
+
+class Follower:
+    """Runs in a process of its own beside the master (see main): a database connection
+    must not be inherited by the workers the master forks."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        broadcast: Broadcast,
+        boot: str,
+        baseline: dict[str, tuple[int, ...]],
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.broadcast = broadcast
+        self.boot = boot
+        self.baseline = baseline  # usage totals when this boot began: not this boot's
+        self.db = FleetDB(settings.database_url)
+        self.applied = read_applied(store.root / APPLIED)
+        self.stop = threading.Event()
+        self._usage_at = 0.0  # monotonic time of the last usage write
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Follow until stop is set, through lost connections and a database that is down."""
+        listener: psycopg.Connection | None = None
+        while not self.stop.is_set():
+            try:
+                if listener is None or listener.closed:
+                    listener = connect(self.settings.database_url)
+                    listener.execute(f"LISTEN {CHANNEL}")
+                    self._join()
+                self.catch_up()
+                self.db.heartbeat(self.settings.host_id, self.boot, self._workers(), self.applied)
+                if time.monotonic() - self._usage_at >= self.settings.checkpoint_interval:
+                    self.write_usage()
+                # Woken by the first NOTIFY, or after the poll interval: the backstop.
+                for _ in listener.notifies(timeout=self.settings.fleet_poll_s, stop_after=1):
+                    pass
+            except (psycopg.Error, Unreachable, OSError) as exc:
+                log.warning("fleet store unreachable (%s); retrying", type(exc).__name__)
+                if listener is not None:
+                    listener.close()
+                listener = None
+                self.stop.wait(self.settings.fleet_poll_s)
+            except Exception:  # a bad change must not stop the follower: log, poll again
+                log.exception("applying the fleet's changes failed; retrying")
+                self.stop.wait(self.settings.fleet_poll_s)
+        if listener is not None:
+            listener.close()
+
+    def _join(self) -> None:
+        s = self.settings
+        self.db.join(s.host_id, s.advertise_url, s.pool, self.boot)
+
+    def write_usage(self) -> None:
+        """This boot's totals per space into the fleet's ledger: absolute, so a retry
+        writes the same numbers, and a host killed with -9 loses at most one interval."""
+        now = meter.totals_by_name(self.broadcast.table, self.store.slots.ledger(), meter.now_us())
+        boot = {}
+        for space, values in now.items():
+            before = self.baseline.get(space, (0,) * len(values))
+            delta = tuple(a - b for a, b in zip(values, before, strict=True))
+            if any(delta):
+                boot[space] = delta
+        self.db.write_usage(self.settings.host_id, self.boot, boot)
+        self._usage_at = time.monotonic()
+
+    def leave(self) -> None:
+        """A stop: the last usage, then out of the fleet, so no deploy waits for this host.
+        Unreachable: it stops counting as live after POLYSERVE_FLEET_LIVE_S instead."""
+        with contextlib.suppress(Unreachable, psycopg.Error):
+            self.write_usage()
+        with contextlib.suppress(Unreachable, psycopg.Error):
+            self.db.leave(self.settings.host_id, self.boot)
+        self.db.close()
+
+    def _workers(self) -> int:
+        return sum(1 for pid in self.broadcast.table.pids.tolist() if pid)
+
+    # -- applying ------------------------------------------------------------------------
+
+    def catch_up(self) -> None:
+        """Apply every change after the last one applied here, in order."""
+        while changes := self.db.changes_since(self.applied, BATCH):
+            if len(changes) > EAGER_LIMIT:
+                self._take_pointers()
+            else:
+                for change in changes:
+                    self._apply(change)
+                    self._applied(change.id)
+            self.broadcast.announce()
+            if len(changes) < BATCH:
+                break
+
+    def _apply(self, change: Change) -> None:
+        store, space = self.store, change.space
+        if change.kind == "deploy" and change.version is not None:
+            stored = self.db.fetch(space, change.version)
+            if stored is None:
+                return  # gone from the fleet store: a later change supersedes it
+            install(store, space, stored, self.settings.max_unpacked_mb << 20)
+            with store.locked():
+                self._bump(space, store.point(space, change.version, stored.meta))
+        elif change.kind == "delete":
+            with store.locked():
+                deleted = store.delete(space)
+                if deleted is not None:
+                    self._bump(space, deleted)
+        elif change.kind == "release":
+            known = store.slots.slot(space)
+            if known is not None:
+                with store.locked():
+                    self.broadcast.release(known)
+
+    def _take_pointers(self) -> None:
+        """Far behind: adopt the fleet's current pointers; files come on first use."""
+        last, pointers = self.db.pointers()
+        store = self.store
+        with store.locked():
+            for space, pointer in pointers.items():
+                local = store.current(space)
+                slot: int | None
+                if pointer is None:
+                    slot = store.delete(space) if local is not None else None
+                elif local is None or local.number != pointer[0]:
+                    slot = store.point(space, pointer[0], pointer[1], sync=False)
+                else:
+                    continue
+                if slot is not None:
+                    self._bump(space, slot)
+            store.slots.sync()
+        log.info("took the fleet's pointers for %d spaces, up to change %d", len(pointers), last)
+        self._applied(last)
+
+    def _bump(self, space: str, slot: int) -> None:
+        self.broadcast.bump(slot)
+        self.store.prune(space, self.broadcast.oldest_held(slot))
+
+    def _applied(self, change_id: int) -> None:
+        self.applied = change_id
+        _write_applied(self.store.root / APPLIED, change_id)
+
+
+def read_applied(path: Path) -> int:
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _write_applied(path: Path, change_id: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(str(change_id))
+    tmp.replace(path)
+
+
+BOOT = "fleet-boot.json"  # in the data directory: this boot's id and starting totals
+
+
+def start_boot(store: Store, table: Table) -> None:
+    """The master, before any worker is forked: name this boot and keep what the table
+    holds already (restored from earlier boots), which this boot's ledger rows leave out."""
+    baseline = meter.totals_by_name(table, store.slots.ledger(), meter.now_us())
+    data = {"boot": uuid.uuid4().hex, "baseline": baseline}
+    tmp = store.root / (BOOT + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(store.root / BOOT)
+
+
+def main() -> None:
+    """`python -m polyserve.fleet.follower`, started by the master with its environment."""
+    logging.basicConfig(level=logging.INFO, format="[follower] %(levelname)s %(message)s")
+    # Leave with the master, even one killed with -9 (the kernel sends SIGTERM).
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    settings = load()
+    store = Store(settings.data_dir, settings.max_spaces)
+    table = Table.attach(segment_name(str(store.root)))
+    if table is None or os.getppid() == 1:
+        sys.exit("polyserve follower: no master (its table is gone)")
+    boot = json.loads((store.root / BOOT).read_text())
+    baseline = {name: tuple(v) for name, v in boot["baseline"].items()}
+    follower = Follower(settings, store, Broadcast(table, None), boot["boot"], baseline)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: follower.stop.set())
+    follower.run()
+    follower.leave()
+    table.close()
+
+
+_PR_SET_PDEATHSIG = 1
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The fleet's PostgreSQL schema, as numbered migrations each host applies at start."""
+
+from __future__ import annotations
+
+import psycopg
+
+# One lock for schema changes, one for the change log: pg_advisory_xact_lock keys.
+MIGRATION_LOCK = 0x706F6C79_0001
+CHANGE_LOCK = 0x706F6C79_0002
+
+# Append only: a migration, once released, never changes. Each runs in one transaction.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE polyserve_spaces (
+        name text PRIMARY KEY,
+        last_version integer NOT NULL DEFAULT 0,  -- numbers handed out, never reused
+        current_version integer                   -- NULL: not deployed (deleted)
+    );
+    CREATE TABLE polyserve_versions (
+        space text NOT NULL REFERENCES polyserve_spaces (name),
+        number integer NOT NULL,
+        sha256 text NOT NULL,
+        meta jsonb NOT NULL,                      -- what the deploy answered, and more
+        data bytea NOT NULL,                      -- the upload, as it was sent
+        PRIMARY KEY (space, number)
+    );
+    -- Every change to a space, in the order hosts must apply it: ids are assigned under
+    -- CHANGE_LOCK, so they are committed in order and a follower never skips one.
+    CREATE TABLE polyserve_changes (
+        id bigint PRIMARY KEY,
+        space text NOT NULL,
+        kind text NOT NULL CHECK (kind IN ('deploy', 'delete', 'release')),
+        version integer,
+        at timestamptz NOT NULL DEFAULT now()
+    );
+    CREATE TABLE polyserve_hosts (
+        id text PRIMARY KEY,
+        url text NOT NULL,
+        pool text NOT NULL,
+        boot text NOT NULL,
+        started_at timestamptz NOT NULL,
+        last_seen timestamptz NOT NULL,
+        workers integer NOT NULL DEFAULT 0,
+        applied bigint NOT NULL DEFAULT 0,        -- the last change this host applied
+        left_at timestamptz                       -- set by a graceful stop
+    );
+    -- Absolute totals per (host, boot): a retried write never double-counts, a restart
+    -- starts a new row instead of resetting one.
+    CREATE TABLE polyserve_usage (
+        host text NOT NULL,
+        boot text NOT NULL,
+        space text NOT NULL,
+        requests bigint NOT NULL,
+        errors bigint NOT NULL,
+        busy_us bigint NOT NULL,
+        resident_us bigint NOT NULL,
+        loads bigint NOT NULL,
+        import_us bigint NOT NULL,
+        updated_at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (host, boot, space)
+    );
+    """,
+)
+
+
+def migrate(conn: psycopg.Connection) -> int:
+    """Bring the schema up to date; safe when several hosts start at once. Returns the
+    schema version."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS polyserve_migrations"
+            " (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        row = conn.execute("SELECT coalesce(max(version), 0) FROM polyserve_migrations").fetchone()
+        done = row[0] if row else 0
+        for version, sql in enumerate(MIGRATIONS[done:], start=done + 1):
+            conn.execute(sql.encode())
+            conn.execute("INSERT INTO polyserve_migrations (version) VALUES (%s)", (version,))
+    return len(MIGRATIONS)
