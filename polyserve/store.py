@@ -159,9 +159,9 @@ class Store:
             if slot is None:
                 slot = self.slots.allocate(space, self._deleted, reclaim, sync=sync)
             (sdir / "versions").mkdir(parents=True, exist_ok=True)
-            _write_atomic(sdir / "versions" / f"{number}.json", json.dumps(meta).encode())
+            write_atomic(sdir / "versions" / f"{number}.json", json.dumps(meta).encode())
             if number > _read_int(sdir / "last"):
-                _write_atomic(sdir / "last", str(number).encode())
+                write_atomic(sdir / "last", str(number).encode())
             _symlink_atomic(f"versions/{number}", sdir / "current")
         return slot
 
@@ -260,7 +260,8 @@ def _read_int(path: Path) -> int:
         return 0
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace a file whole: readers see the old bytes or the new, never a part."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_bytes(data)

@@ -32,7 +32,7 @@ from polyserve.errors import ClientError
 from polyserve.fleet.db import CHANNEL, Change, FleetDB, Stored, Unreachable, connect
 from polyserve.settings import Settings, load
 from polyserve.shm import Table, segment_name
-from polyserve.store import Store, Version
+from polyserve.store import Store, Version, write_atomic
 
 log = logging.getLogger("polyserve")
 APPLIED = "fleet.applied"  # in the data directory: the last change applied here
@@ -210,7 +210,7 @@ class Follower:
 
     def _applied(self, change_id: int) -> None:
         self.applied = change_id
-        _write_applied(self.store.root / APPLIED, change_id)
+        write_atomic(self.store.root / APPLIED, str(change_id).encode())
 
 
 def read_applied(path: Path) -> int:
@@ -218,12 +218,6 @@ def read_applied(path: Path) -> int:
         return int(path.read_text())
     except (FileNotFoundError, ValueError):
         return 0
-
-
-def _write_applied(path: Path, change_id: int) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(str(change_id))
-    tmp.replace(path)
 
 
 BOOT = "fleet-boot.json"  # in the data directory: this boot's id and starting totals
@@ -234,9 +228,7 @@ def start_boot(store: Store, table: Table) -> None:
     holds already (restored from earlier boots), which this boot's ledger rows leave out."""
     baseline = meter.totals_by_name(table, store.slots.ledger(), meter.now_us())
     data = {"boot": uuid.uuid4().hex, "baseline": baseline}
-    tmp = store.root / (BOOT + ".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(store.root / BOOT)
+    write_atomic(store.root / BOOT, json.dumps(data).encode())
 
 
 def main() -> None:
