@@ -1,5 +1,5 @@
 """polyserve.worker.Worker._serve is a copy of uvicorn-worker's private UvicornWorker._serve
-with three changes; these tests fail when upstream's method is no longer what was copied."""
+with two changes; these tests fail when upstream's method is no longer what was copied."""
 
 from __future__ import annotations
 
@@ -57,15 +57,8 @@ def test_upstream_run_still_calls_serve():
 
 
 class _AsUpstream(ast.NodeTransformer):
-    """Undo Worker._serve's three changes: it applies FORWARDED_ALLOW_IPS to the app,
-    sets polyserve's strict HTTP protocol, and serves with polyserve's _Server (whose
-    shutdown answers what it accepted)."""
-
-    def visit_Assign(self, node: ast.Assign) -> ast.AST | None:
-        (target,) = node.targets
-        if ast.unparse(target) == "self.config.http":
-            return None
-        return self.generic_visit(node)
+    """Undo Worker._serve's two changes: it applies FORWARDED_ALLOW_IPS to the app, and
+    serves with polyserve's _Server (whose shutdown answers what it accepted)."""
 
     def visit_Expr(self, node: ast.Expr) -> ast.Expr | None:
         func = getattr(node.value, "func", None)
@@ -75,9 +68,9 @@ class _AsUpstream(ast.NodeTransformer):
         return ast.Name(id="Server", ctx=node.ctx) if node.id == "_Server" else node
 
 
-def test_worker_serve_is_the_upstream_one_with_its_three_changes():
+def test_worker_serve_is_the_upstream_one_with_its_two_changes():
     ours = _AsUpstream().visit(tree(inspect.getsource(Worker._serve)))
     assert ast.dump(ours) == ast.dump(tree(UPSTREAM_SERVE)), (
-        "Worker._serve differs from UPSTREAM_SERVE by more than its trust_forwarded call,"
-        " its strict protocol and its _Server: keep the two in step (see polyserve/worker.py)."
+        "Worker._serve differs from UPSTREAM_SERVE by more than its trust_forwarded call"
+        " and its _Server: keep the two in step (see polyserve/worker.py)."
     )
