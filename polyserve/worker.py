@@ -11,8 +11,6 @@ from gunicorn.arbiter import Arbiter
 from uvicorn.server import Server
 from uvicorn_worker import UvicornWorker
 
-from polyserve import strict
-
 # How long a connection accepted just before shutdown has to deliver its request; over
 # loopback it takes microseconds, over a network about half a round trip.
 ACCEPT_GRACE_S = 0.1
@@ -47,9 +45,6 @@ class Worker(UvicornWorker):
         # uvicorn-worker's own _serve, with the server above.
         self.wsgi.trust_forwarded(self.cfg.forwarded_allow_ips)
         self.config.app = self.wsgi
-        # uvicorn's httptools protocol, refusing at the door what a strict parser refuses
-        # and applying gunicorn's limit_request_* settings (polyserve/strict.py).
-        self.config.http = strict.protocol(self.cfg)
         server = _Server(config=self.config)
         self._install_sigquit_handler()
         await server.serve(sockets=self.sockets)
