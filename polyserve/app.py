@@ -9,6 +9,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
@@ -30,12 +31,13 @@ from polyserve.deadlines import Deadlines
 from polyserve.deploys import Deploys
 from polyserve.dispatch import Dispatch, answer
 from polyserve.errors import ClientError
-from polyserve.fleet.client import FleetClient
-from polyserve.fleet.db import Unreachable
 from polyserve.meter import CELLS, Meter
 from polyserve.shm import Table
 from polyserve.spaces import Registry
 from polyserve.store import Store
+
+if TYPE_CHECKING:
+    from polyserve.fleet.client import FleetClient
 
 HOST_THREADS = 8  # concurrent imports, stagings and publishes per worker
 
@@ -67,7 +69,11 @@ async def running_host(
     # can exhaust: sync handle()s have per-space limiters, and tenants' ASGI apps share
     # anyio's default one.
     threads = anyio.CapacityLimiter(HOST_THREADS)
-    fleet = FleetClient(s, store, threads) if s.database_url else None
+    fleet = None
+    if s.database_url:  # imported here: psycopg takes ~0.2 s to import, a fleet host's alone
+        from polyserve.fleet.client import FleetClient
+
+        fleet = FleetClient(s, store, threads)
     registry = Registry(
         store,
         broadcast,
@@ -216,7 +222,8 @@ class ControlPlane:
         fleet = self.running.deploys.fleet
         lag = None
         if fleet is not None:
-            with contextlib.suppress(Unreachable):  # the lag is unknown, the rest is not
+            # Unreachable (a 503 ClientError): the lag is unknown, the rest is not.
+            with contextlib.suppress(ClientError):
                 lag = await fleet.lag()
         body = prometheus.exposition(self._snapshot(), lag)
         return Response(body, media_type=prometheus.CONTENT_TYPE)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import BinaryIO, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -19,12 +19,14 @@ import anyio.to_thread
 from polyserve import meter
 from polyserve.broadcast import Broadcast
 from polyserve.errors import ClientError
-from polyserve.fleet.client import FleetClient
-from polyserve.fleet.db import Change
 from polyserve.settings import Settings, scrubbed_environ
 from polyserve.shm import Table
 from polyserve.store import Staged, Store
 from polyserve.validate import validate
+
+if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
+    from polyserve.fleet.client import FleetClient
+    from polyserve.fleet.db import Change
 
 _T = TypeVar("_T")
 

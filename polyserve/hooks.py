@@ -18,7 +18,6 @@ import numpy as np
 
 from polyserve import auth, meter
 from polyserve import settings as settings_mod
-from polyserve.fleet import follower
 from polyserve.leftover import Leftover
 from polyserve.shm import H_STARTED, Table, segment_name
 from polyserve.store import Store
@@ -156,7 +155,9 @@ def when_ready(server: Any) -> None:
     s, store = _starting
     _master = _Master(s, store, *_create_table(server, s, store), log=server.log)
     try:
-        if s.database_url:
+        if s.database_url:  # imported here: psycopg is a fleet host's alone to import
+            from polyserve.fleet import follower
+
             follower.start_boot(store, _master.table)
             _master.follow()
         _master.thread = threading.Thread(
