@@ -25,21 +25,21 @@ class Setting:
         return "POLYSERVE_" + self.name.upper()
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise ValueError(f"must be at least 1, got {value}")
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:
         raise ValueError(f"must be greater than 0, got {value}")
     return value
 
 
-def _const(value: Any) -> Callable[[dict[str, Any]], Any]:
+def const(value: Any) -> Callable[[dict[str, Any]], Any]:
     return lambda _: value
 
 
@@ -63,10 +63,10 @@ SECRETS = ("POLYSERVE_DEPLOY_TOKEN", "POLYSERVE_DEPLOY_TOKEN_SHA256", "POLYSERVE
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("bind", str, _const("127.0.0.1:8441"), "Address the host listens on (host:port)."),
+    Setting("bind", str, const("127.0.0.1:8441"), "Address the host listens on (host:port)."),
     Setting(
         "workers",
-        _positive_int,
+        positive_int,
         lambda _: os.cpu_count() or 1,
         "Number of pre-forked worker processes.",
         "CPU count",
@@ -74,95 +74,95 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "data_dir",
         str,
-        _const("./polyserve-data"),
+        const("./polyserve-data"),
         "Shared store directory: published versions, slot map, usage checkpoint.",
     ),
     Setting(
         "idle_ttl",
-        _positive_float,
-        _const(900.0),
+        positive_float,
+        const(900.0),
         "Seconds a space may sit unused in a worker before it is released.",
     ),
     Setting(
         "request_timeout",
-        _positive_float,
-        _const(300.0),
+        positive_float,
+        const(300.0),
         "Seconds a request may take in a space before it is answered 504.",
     ),
     Setting(
         "worker_timeout",
-        _positive_int,  # gunicorn takes whole seconds
-        _const(30),
+        positive_int,  # gunicorn takes whole seconds
+        const(30),
         "gunicorn's timeout: a worker whose event loop is blocked this long is replaced.",
     ),
     Setting(
         "deploy_token",
         token_sha256,  # only its digest is kept: see load()
-        _const(""),
+        const(""),
         "Admin bearer token for deploys and deletes of any space (empty: none); kept only"
         " as its SHA-256. Prefer POLYSERVE_DEPLOY_TOKEN_SHA256.",
     ),
     Setting(
         "deploy_token_sha256",
         _sha256_hex,
-        _const(""),
+        const(""),
         "The admin token's SHA-256 (64 hex digits) in place of the token, which the host"
         " then never sees: `make token` prints both. Not with POLYSERVE_DEPLOY_TOKEN.",
     ),
     Setting(
         "tokens_file",
         str,
-        _const(""),
+        const(""),
         "File of `owner sha256(token)` lines: each token may deploy its owner's spaces."
         " A bad file stops the host at start.",
     ),
     Setting(
         "import_timeout",
-        _positive_float,
-        _const(30.0),
+        positive_float,
+        const(30.0),
         "Seconds a deploy's validation import may take before it is killed.",
     ),
     Setting(
         "import_memory_mb",
-        _positive_int,
-        _const(4096),
+        positive_int,
+        const(4096),
         "Address-space limit (MiB) of the validation subprocess.",
     ),
     Setting(
         "max_spaces",
-        _positive_int,
-        _const(4096),
+        positive_int,
+        const(4096),
         "Space slots in the shared table; a deploy of a new space past it answers 507.",
     ),
     Setting(
         "checkpoint_interval",
-        _positive_float,
-        _const(5.0),
+        positive_float,
+        const(5.0),
         "Seconds between the master's checkpoints of the usage totals to the data dir.",
     ),
     Setting(
         "max_upload_mb",
-        _positive_int,
-        _const(64),
+        positive_int,
+        const(64),
         "Largest accepted deploy upload (MiB).",
     ),
     Setting(
         "max_unpacked_mb",
-        _positive_int,
+        positive_int,
         lambda v: 4 * v["max_upload_mb"],
         "Largest total size (MiB) a tar may unpack to; it caps each file too.",
         "4 * POLYSERVE_MAX_UPLOAD_MB",
     ),
     Setting(
         "space_threads",
-        _positive_int,
-        _const(8),
+        positive_int,
+        const(8),
         "Threads a space's sync handle() may use at once, per worker (its own limit).",
     ),
     Setting(
         "database_url",
         str,
-        _const(""),
+        const(""),
         "PostgreSQL URL of the fleet this host joins (empty: a single host); libpq's"
         " PG* variables fill in what it leaves out. Never logged.",
     ),
@@ -180,23 +180,23 @@ SETTINGS: tuple[Setting, ...] = (
         "The URL other hosts and the autoscaler reach this host at.",
         "http://POLYSERVE_BIND",
     ),
-    Setting("pool", str, _const("cpu"), "The fleet pool this host serves in (cpu, gpu, …)."),
+    Setting("pool", str, const("cpu"), "The fleet pool this host serves in (cpu, gpu, …)."),
     Setting(
         "fleet_poll_s",
-        _positive_float,
-        _const(1.0),
+        positive_float,
+        const(1.0),
         "Seconds between the follower's polls of the fleet, the backstop for a lost NOTIFY.",
     ),
     Setting(
         "fleet_live_s",
-        _positive_float,
-        _const(10.0),
+        positive_float,
+        const(10.0),
         "Seconds a host that stopped answering still counts as live in the fleet.",
     ),
     Setting(
         "deploy_wait_s",
-        _positive_float,
-        _const(10.0),
+        positive_float,
+        const(10.0),
         "Seconds a fleet deploy waits for every live host to apply it (then: 202).",
     ),
 )
@@ -236,17 +236,7 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
     worker's app) get the same digest and spaces and child processes never see the token.
     """
     env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    for s in SETTINGS:
-        raw = env.get(s.env)
-        if raw is None or raw == "":
-            values[s.name] = s.default(values)
-            continue
-        try:
-            values[s.name] = s.parse(raw)
-        except ValueError as exc:
-            shown = "<not shown>" if s.env in SECRETS else repr(raw)
-            raise ValueError(f"{s.env}={shown}: {exc}") from None
+    values = read(SETTINGS, env)
     admin = values.pop("deploy_token")  # already its digest
     if admin and values["deploy_token_sha256"]:
         raise ValueError(
@@ -257,6 +247,23 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
     if env is os.environ:
         forget_token(os.environ)
     return Settings(**values)
+
+
+def read(declared: tuple[Setting, ...], env: Mapping[str, str]) -> dict[str, Any]:
+    """Each declared setting's value from env, or its default; a bad value names its
+    variable (and hides a secret's value)."""
+    values: dict[str, Any] = {}
+    for s in declared:
+        raw = env.get(s.env)
+        if raw is None or raw == "":
+            values[s.name] = s.default(values)
+            continue
+        try:
+            values[s.name] = s.parse(raw)
+        except ValueError as exc:
+            shown = "<not shown>" if s.env in SECRETS else repr(raw)
+            raise ValueError(f"{s.env}={shown}: {exc}") from None
+    return values
 
 
 def forget_token(environ: MutableMapping[str, str]) -> None:
@@ -279,11 +286,11 @@ def scrubbed_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]
     return {k: v for k, v in environ.items() if k not in SECRETS}
 
 
-def markdown_table() -> str:
+def markdown_table(declared: tuple[Setting, ...] = SETTINGS) -> str:
     """The README's settings table, generated from the declarations above."""
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     defaults: dict[str, Any] = {}
-    for s in SETTINGS:
+    for s in declared:
         defaults[s.name] = s.default(defaults)
         default = s.default_doc or str(defaults[s.name])
         shown = f"`{default}`" if default else "(empty)"

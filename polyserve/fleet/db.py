@@ -185,7 +185,7 @@ class FleetDB:
                 "INSERT INTO polyserve_hosts (id, url, pool, boot, started_at, last_seen)"
                 " VALUES (%s, %s, %s, %s, now(), now()) ON CONFLICT (id) DO UPDATE SET"
                 " url = excluded.url, pool = excluded.pool, boot = excluded.boot,"
-                " started_at = now(), last_seen = now(), left_at = NULL"
+                " started_at = now(), last_seen = now(), left_at = NULL, draining_at = NULL"
                 " RETURNING applied",
                 (host, url, pool, boot),
             ).fetchone()
@@ -208,18 +208,61 @@ class FleetDB:
                 (host, boot),
             )
 
+    def drain(self, host: str) -> None:
+        """Take a host out of the fleet before it stops (the autoscaler): no deploy waits
+        for it and it is no longer listed as live, though it keeps serving and applying
+        changes until it stops. Its next boot (join) clears this."""
+        with self.session() as conn:
+            conn.execute(
+                "UPDATE polyserve_hosts SET draining_at = coalesce(draining_at, now())"
+                " WHERE id = %s",
+                (host,),
+            )
+
     def hosts(self, live_s: float) -> list[dict[str, Any]]:
-        """Every host the fleet has seen, newest first, each with `live`."""
+        """Every host the fleet has seen, newest first, each with `live` (heartbeating,
+        neither left nor draining), `draining` and `left`."""
         with self.session() as conn:
             rows = conn.execute(
                 "SELECT id, url, pool, boot, workers, applied,"
                 " extract(epoch FROM last_seen)::float8,"
-                " left_at IS NULL AND last_seen > now() - make_interval(secs => %s)"
+                " left_at IS NULL AND draining_at IS NULL"
+                " AND last_seen > now() - make_interval(secs => %s),"
+                " draining_at IS NOT NULL, left_at IS NOT NULL"
                 " FROM polyserve_hosts ORDER BY started_at DESC",
                 (live_s,),
             ).fetchall()
-        keys = ("id", "url", "pool", "boot", "workers", "applied", "last_seen", "live")
+        keys = (
+            "id", "url", "pool", "boot", "workers", "applied", "last_seen", "live",
+            "draining", "left",
+        )  # fmt: skip
         return [dict(zip(keys, row, strict=True)) for row in rows]
+
+    # -- demand ----------------------------------------------------------------------
+
+    def record_demand(self, pool: str, space: str) -> None:
+        """A request for a space of `pool` that no live host of that pool could take."""
+        with self.session() as conn:
+            conn.execute(
+                "INSERT INTO polyserve_demand (pool, space, requests, last_at)"
+                " VALUES (%s, %s, 1, now()) ON CONFLICT (pool, space) DO UPDATE SET"
+                " requests = polyserve_demand.requests + 1, last_at = now()",
+                (pool, space),
+            )
+
+    def demand(self, within_s: float) -> dict[str, list[str]]:
+        """Per pool, the spaces whose requests found no host of it in the last
+        `within_s` seconds."""
+        with self.session() as conn:
+            rows = conn.execute(
+                "SELECT pool, space FROM polyserve_demand"
+                " WHERE last_at > now() - make_interval(secs => %s) ORDER BY pool, space",
+                (within_s,),
+            ).fetchall()
+        found: dict[str, list[str]] = {}
+        for pool, space in rows:
+            found.setdefault(pool, []).append(space)
+        return found
 
     # -- usage -----------------------------------------------------------------------
 

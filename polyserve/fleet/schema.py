@@ -60,6 +60,19 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (host, boot, space)
     );
     """,
+    # The autoscaler: a host it is taking out of the fleet (no deploy waits for it, its
+    # load balancer drops it), and requests for a pool's spaces that found no host of
+    # that pool (the demand that brings a pool up from zero).
+    """
+    ALTER TABLE polyserve_hosts ADD COLUMN draining_at timestamptz;
+    CREATE TABLE polyserve_demand (
+        pool text NOT NULL,
+        space text NOT NULL,
+        requests bigint NOT NULL,
+        last_at timestamptz NOT NULL,
+        PRIMARY KEY (pool, space)
+    );
+    """,
 )
 
 

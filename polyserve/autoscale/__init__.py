@@ -1,0 +1,1 @@
+"""The autoscaler: busy ratio from the fleet's hosts, scaling decisions, and providers."""
