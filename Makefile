@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run build examples test test-fast lint bench settings-table token clean
+.PHONY: run autoscale build examples test test-fast lint bench settings-table token clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ $(VENV)/.installed-host: pyproject.toml | $(BIN)/python
 
 run: $(VENV)/.installed-host
 	$(BIN)/gunicorn -c gunicorn.conf.py
+
+# The fleet's autoscaler (docs/autoscale.md); it needs POLYSERVE_DATABASE_URL.
+autoscale: $(VENV)/.installed-host
+	$(BIN)/polyserve autoscale
 
 # The seed's `make build`: build what the examples need, then start the host.
 build: examples run
@@ -48,6 +52,7 @@ bench: $(VENV)/.installed-dev
 
 settings-table: $(VENV)/.installed-host
 	$(BIN)/python -m polyserve.settings --readme
+	$(BIN)/python -m polyserve.autoscale.config --docs
 
 # A fresh admin token (give it to deployers) and the POLYSERVE_DEPLOY_TOKEN_SHA256=... line
 # to start the host with: the host then never holds the token itself.

@@ -354,6 +354,26 @@ def scenario_fleet(args, tmp: Path) -> dict:
     }
 
 
+def scenario_autoscale(args, tmp: Path) -> dict:
+    result = run_script("autoscale.py", "--rounds", str(max(5, args.rounds * 2)))
+    if "skipped" in result:
+        return {"a": "-", "b": "-", "goal": "-", "met": False, **result}
+    w = {k.removeprefix("POLYSERVE_").lower(): float(v) for k, v in result["windows"].items()}
+    # What the machinery may add to the windows: one interval to notice, a host's boot
+    # (measured as b) to start, and for a scale-down the drain and a graceful stop.
+    up_bound = w["scale_up_window_s"] + 2 * w["scale_interval_s"] + 2 * result["host_boot_s"]
+    down_bound = w["scale_down_window_s"] + 2 * w["scale_interval_s"] + w["drain_s"] + 5
+    return {
+        "a": "`polyserve autoscale`, local provider, 1..2 hosts of 1 worker, 6 clients",
+        "b": "one fleet host started by hand (boot to answering)",
+        "goal": "new host serving <= up window + 2 intervals + 2 boots; back at the minimum"
+        " <= down window + 2 intervals + drain + 5 s",
+        "met": result["load_to_new_host_serving_s"] <= up_bound
+        and result["load_stopped_to_minimum_s"] <= down_bound,
+        **result,
+    }
+
+
 SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
     "dispatch overhead": scenario_dispatch,
     "in-process vs a model server": scenario_model_server,
@@ -364,6 +384,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
     "scaling": scenario_scaling,
     "metering": scenario_metering,
     "fleet": scenario_fleet,
+    "autoscale": scenario_autoscale,
 }
 
 

@@ -201,6 +201,9 @@ class ControlPlane:
         scope = request.query_params.get("scope", "host")
         if scope == "fleet":
             answer = await self._fleet().usage()
+        elif scope == "host" and request.query_params.get("only") == "host":
+            # The autoscaler's scrape: the host's totals, without 10,000 spaces.
+            answer = {"host": meter.host_usage(self._snapshot())}
         elif scope == "host":
             answer = meter.usage(self._snapshot())
         else:

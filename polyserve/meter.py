@@ -236,14 +236,16 @@ def usage(snap: Snapshot) -> dict[str, object]:
         }
         for name, r, b, w, lo, e, c, wl, li, k in columns
     }
+    return {"spaces": spaces, "host": host_usage(snap)}
+
+
+def host_usage(snap: Snapshot) -> dict[str, object]:
+    """The usage answer's `host` section: what the autoscaler's busy ratio is made of."""
     return {
-        "spaces": spaces,
-        "host": {
-            "workers": snap.workers,
-            "uptime_s": round(snap.uptime_us / 1e6, 3),
-            "busy_ms": snap.busy_us // 1000,
-            "in_flight": snap.in_flight,
-        },
+        "workers": snap.workers,
+        "uptime_s": round(snap.uptime_us / 1e6, 3),
+        "busy_ms": snap.busy_us // 1000,
+        "in_flight": snap.in_flight,
     }
 
 

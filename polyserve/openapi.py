@@ -106,6 +106,15 @@ SPEC: dict[str, Any] = {
         "/_polyserve/usage": {
             "get": {
                 "summary": "Usage per space and for the host",
+                "parameters": [
+                    {
+                        "name": "only",
+                        "in": "query",
+                        "required": False,
+                        "description": "`host`: only the host section (the autoscaler's scrape)",
+                        "schema": {"type": "string", "enum": ["host"]},
+                    }
+                ],
                 "responses": {"200": _json("usage", {"$ref": "#/components/schemas/Usage"})},
             }
         },
@@ -160,7 +169,7 @@ SPEC: dict[str, Any] = {
             },
             "Usage": {
                 "type": "object",
-                "required": ["spaces", "host"],
+                "required": ["host"],  # `spaces` too, but with ?only=host
                 "properties": {
                     "spaces": {
                         "type": "object",

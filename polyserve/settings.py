@@ -298,15 +298,15 @@ def markdown_table(declared: tuple[Setting, ...] = SETTINGS) -> str:
     return "\n".join(rows)
 
 
-def write_readme(path: str = "README.md") -> None:
-    """Replace the table between the README's settings markers with a fresh one."""
+def write_readme(path: str = "README.md", declared: tuple[Setting, ...] = SETTINGS) -> None:
+    """Replace the table between a page's settings markers with a fresh one."""
     begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
     with open(path) as f:
         text = f.read()
     head, rest = text.split(begin)
     _, tail = rest.split(end)
     with open(path, "w") as f:
-        f.write(f"{head}{begin}{markdown_table()}\n{end}{tail}")
+        f.write(f"{head}{begin}{markdown_table(declared)}\n{end}{tail}")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ POOLS = ("cpu", "gpu")
 # and imports its cloud SDK only inside make(), so these settings load without them.
 PROVIDERS = {
     "local": "polyserve.autoscale.local",
-    "hetzner": "polyserve.autoscale.hetzner",
-    "runpod": "polyserve.autoscale.runpod",
 }
 
 
@@ -199,3 +197,14 @@ _SCALARS = (
 def make_provider(name: str, values: Mapping[str, Any]) -> Any:
     """The named provider, built from the settings read."""
     return importlib.import_module(PROVIDERS[name]).make(values)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from polyserve.settings import markdown_table, write_readme
+
+    if sys.argv[1:] == ["--docs"]:
+        write_readme("docs/autoscale.md", declared())
+    else:
+        print(markdown_table(declared()))
