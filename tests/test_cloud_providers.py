@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from polyserve.autoscale import hetzner, runpod
+from polyserve.autoscale import cloud, hetzner, runpod
 from polyserve.autoscale.provider import HostSpec, Machine, ProviderError
 from polyserve.settings import markdown_table, read
 from tests.cloud_standins import (
@@ -521,6 +521,14 @@ def test_runpod_stop_gives_up_after_its_timeout(make_runpod, runpod_api, caplog)
     assert "still running after" in caplog.text
 
 
+def test_runpod_stop_of_an_exited_pod_asks_nothing(make_runpod, runpod_api):
+    provider = make_runpod()
+    machine = provider.create(spec("gpu"))
+    runpod_api.pods[machine.id]["desiredStatus"] = "EXITED"
+    provider.stop(machine, timeout_s=30)
+    assert runpod_api.calls_to("POST", r"/pods/[a-z0-9]+/stop") == []
+
+
 def test_runpod_delete_terminates_and_twice_is_fine(make_runpod, runpod_api):
     provider = make_runpod()
     machine = provider.create(spec("gpu"))
@@ -571,6 +579,16 @@ def test_runpod_make_without_an_image_or_template_says_so(monkeypatch):
     monkeypatch.setenv("RUNPOD_API_KEY", RUNPOD_KEY)
     with pytest.raises(ProviderError, match="POLYSERVE_RUNPOD_IMAGE and"):
         runpod.make(read(runpod.SETTINGS, {}))
+
+
+def test_secret_values_include_the_forms_an_api_may_quote():
+    """A database URL is redacted as sent, JSON-escaped, and its password alone."""
+    url = 'postgresql://ps:p%40ss"w@db/ps'
+    found = cloud.secret_values({"POLYSERVE_DATABASE_URL": url, "POLYSERVE_POOL": "gpu"})
+    assert found == [url, 'postgresql://ps:p%40ss\\"w@db/ps', 'p@ss"w']
+    redact = cloud.Redactor("the-api-token")
+    text = f'bad value "{json.dumps(url)}" (password p@ss"w) from the-api-token'
+    assert redact(text, found) == 'bad value ""<redacted>"" (password <redacted>) from <redacted>'
 
 
 # -- settings --

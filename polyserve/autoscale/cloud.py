@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from polyserve.autoscale.provider import ProviderError
 from polyserve.settings import SECRETS
@@ -42,8 +44,15 @@ def credential(variable: str, provider: str) -> str:
 
 
 def secret_values(environment: Mapping[str, str]) -> list[str]:
-    """The values in a host's environment that must never appear in a message."""
-    return [v for k, v in environment.items() if k in SECRETS or _SECRET_NAME.search(k)]
+    """The values in a host's environment that must never appear in a message, each
+    also as an API may quote it back: JSON-escaped, and a URL's password alone."""
+    found = []
+    for name, value in environment.items():
+        if name in SECRETS or _SECRET_NAME.search(name):
+            found += [value, json.dumps(value)[1:-1]]
+            with contextlib.suppress(ValueError):
+                found.append(unquote(urlsplit(value).password or ""))
+    return [v for v in found if v]
 
 
 def check_environment(environment: Mapping[str, str]) -> None:

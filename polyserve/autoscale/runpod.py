@@ -214,12 +214,6 @@ class RunPodProvider:
 
     def stop(self, machine: Machine, timeout_s: float) -> None:
         what = f"stopping pod {machine.host_id}"
-        try:
-            # The container gets SIGTERM (gunicorn's graceful stop), later SIGKILL.
-            self._call("POST", f"/pods/{machine.id}/stop", what=what)
-        except NotFound:
-            return
-        log.info("pool=%s pod %s stopping", machine.pool, machine.host_id)
 
         def stopped() -> bool:
             try:
@@ -228,6 +222,14 @@ class RunPodProvider:
                 return True
             return isinstance(pod, dict) and pod.get("desiredStatus") != RUNNING
 
+        if stopped():
+            return  # nothing to stop, and a second stop call might be refused
+        try:
+            # The container gets SIGTERM (gunicorn's graceful stop), later SIGKILL.
+            self._call("POST", f"/pods/{machine.id}/stop", what=what)
+        except NotFound:
+            return
+        log.info("pool=%s pod %s stopping", machine.pool, machine.host_id)
         if not cloud.wait_until(stopped, timeout_s, self.poll_s):
             log.warning(
                 "pool=%s pod %s still running after %.0f s",
