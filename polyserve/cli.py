@@ -26,6 +26,7 @@ def autoscale(dry_run: bool, once: bool) -> None:
     SIGTERM and SIGINT, letting retirements in progress finish.
     """
     from polyserve.autoscale import config as config_mod
+    from polyserve.autoscale.provider import ProviderError
     from polyserve.autoscale.scaler import Scaler
     from polyserve.fleet.db import FleetDB
 
@@ -39,7 +40,7 @@ def autoscale(dry_run: bool, once: bool) -> None:
             for p in config.pools
             if p.provider != "none"
         }
-    except ValueError as exc:
+    except (ValueError, ProviderError) as exc:  # a bad setting, a missing credential
         raise click.UsageError(str(exc)) from None
     stop = threading.Event()
 

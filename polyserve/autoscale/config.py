@@ -15,6 +15,8 @@ POOLS = ("cpu", "gpu")
 # and imports its cloud SDK only inside make(), so these settings load without them.
 PROVIDERS = {
     "local": "polyserve.autoscale.local",
+    "hetzner": "polyserve.autoscale.hetzner",
+    "runpod": "polyserve.autoscale.runpod",
 }
 
 
