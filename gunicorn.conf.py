@@ -17,6 +17,9 @@ workers = _s.workers
 worker_class = "polyserve.worker.Worker"
 wsgi_app = "polyserve.app:app"
 timeout = _s.worker_timeout
+# With setproctitle, ps shows "gunicorn: master [polyserve 127.0.0.1:8441]" and
+# "gunicorn: worker [polyserve …]": an operator tells this host from other gunicorns.
+proc_name = f"polyserve {_s.bind}"
 # gunicorn 27 binds a control socket under $HOME by default, where two hosts would fight
 # over one path; each host gets its own in its data directory instead.
 control_socket = _os.path.join(_os.path.abspath(_s.data_dir), "gunicorn.ctl")

@@ -30,6 +30,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+from a2wsgi import WSGIMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -142,7 +143,7 @@ class Imported:
     version: int
     package: str
     module: Any
-    kind: str  # "app" or "handle"
+    kind: str  # "app" (ASGI), "wsgi" or "handle"
     app: ASGIApp
     root: Path  # the version's directory
     state: dict[str, Any] = field(default_factory=dict)  # the lifespan state, per ASGI
@@ -175,7 +176,13 @@ def _find_callable(module: Any, entry: str, threads: int) -> tuple[str, ASGIApp]
     app = getattr(module, "app", None)
     if app is not None:
         if not callable(app):
-            raise LoadError(f"{entry}: `app` must be an ASGI application (a callable)")
+            raise LoadError(f"{entry}: `app` must be an ASGI or WSGI application (a callable)")
+        if is_wsgi(app):
+            # Flask, Django, any WSGI app, unchanged: a2wsgi runs it on a thread pool of
+            # the space's own size, as a sync handle() gets.
+            # a2wsgi types scope, receive and send with TypedDicts of its own.
+            wsgi: ASGIApp = WSGIMiddleware(app, workers=threads)  # type: ignore[assignment]
+            return "wsgi", wsgi
         return "app", app
     handle = getattr(module, "handle", None)
     if handle is not None:
@@ -187,6 +194,22 @@ def _find_callable(module: Any, entry: str, threads: int) -> tuple[str, ASGIApp]
         " export one of them at module level",
         file=entry,
     )
+
+
+def is_wsgi(app: Any) -> bool:
+    """A plain (not async) callable taking two positional arguments, environ and
+    start_response: PEP 3333's shape. An ASGI app's __call__ is async and takes three."""
+    if inspect.isclass(app):
+        return False
+    call = app if inspect.isfunction(app) or inspect.ismethod(app) else type(app).__call__
+    if inspect.iscoroutinefunction(call):
+        return False
+    try:
+        params = inspect.signature(app).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: not a WSGI app of ours
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional for p in params) == 2
 
 
 def forget(package: str) -> None:
@@ -386,4 +409,6 @@ async def stop(imported: Imported, timeout: float) -> None:
         log.exception("lifespan shutdown of %s v%s failed", imported.space, imported.version)
     finally:
         imported.lifespan = None
+        if isinstance(imported.app, WSGIMiddleware):
+            imported.app.executor.shutdown(wait=False)  # its idle threads end now
         forget(imported.package)

@@ -163,7 +163,7 @@ SPEC: dict[str, Any] = {
                     "sha256": {"type": "string"},
                     "size": {"type": "integer"},
                     "entry": {"type": "string"},
-                    "kind": {"enum": ["app", "handle"]},
+                    "kind": {"enum": ["app", "wsgi", "handle"]},
                     "import_ms": {"type": "number"},
                 },
             },

@@ -99,7 +99,7 @@ def test_kind_is_app_when_both_are_exported(tmp_path):
     "source,message,line",
     [
         ("x = 1\n", "neither `app`", None),
-        ("app = 3\n", "`app` must be an ASGI application", None),
+        ("app = 3\n", "`app` must be an ASGI or WSGI application", None),
         ("def handle(r):\n    return (\n", "SyntaxError", 2),
         ("import helpers\n", "ModuleNotFoundError: No module named 'helpers'", 1),
         ("\n\nraise RuntimeError('no model file')\n", "RuntimeError: no model file", 3),
