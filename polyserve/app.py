@@ -69,11 +69,13 @@ async def running_host(
     # can exhaust: sync handle()s have per-space limiters, and tenants' ASGI apps share
     # anyio's default one.
     threads = anyio.CapacityLimiter(HOST_THREADS)
-    fleet = None
+    fleet = pools = None
     if s.database_url:  # imported here: psycopg takes ~0.2 s to import, a fleet host's alone
         from polyserve.fleet.client import FleetClient
+        from polyserve.fleet.pools import PoolRouter
 
         fleet = FleetClient(s, store, threads)
+        pools = PoolRouter(fleet.db, s.fleet_live_s, s.pool_retry_after_s, threads)
     registry = Registry(
         store,
         broadcast,
@@ -84,6 +86,8 @@ async def running_host(
         space_threads=s.space_threads,
         host_limiter=threads,
         fetch=fleet.fetch if fleet is not None else None,
+        # Pools apply only in a fleet: a single host serves every space it is given.
+        pool=s.pool if fleet is not None else None,
     )
     deadlines = Deadlines(s.request_timeout)
     host = Host(
@@ -92,7 +96,7 @@ async def running_host(
         table=table,
         broadcast=broadcast,
         registry=registry,
-        dispatch=Dispatch(registry, usage, deadlines),
+        dispatch=Dispatch(registry, usage, deadlines, pools),
         deploys=Deploys(s, store, broadcast, table, threads, registry.refresh, fleet),
     )
     # Off the main thread (an in-process test client) there is no signal handler:

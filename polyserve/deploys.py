@@ -69,7 +69,8 @@ class Deploys:
                 number = await self._run(self.publish, space, staged, checked)
             else:  # validated here; every host (this one too) applies it from the fleet
                 meta = {**checked, "space": space, "sha256": staged.sha256, "size": staged.size}
-                meta |= {"entry": staged.entry, "upload": filename, "deployed_at": time.time()}
+                meta |= {"entry": staged.entry, "pool": staged.pool, "upload": filename}
+                meta["deployed_at"] = time.time()
                 upload.seek(0)
                 change = await self._run(
                     self.fleet.db.deploy, space, upload.read(), staged.sha256, meta
@@ -83,6 +84,7 @@ class Deploys:
             "sha256": staged.sha256,
             "size": staged.size,
             "entry": staged.entry,
+            "pool": staged.pool,
             **checked,
         }
         if self.fleet is None:

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from starlette.responses import JSONResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from polyserve import loader
 from polyserve.deadlines import Deadlines
+from polyserve.errors import ClientError
 from polyserve.meter import Meter
-from polyserve.spaces import NotDeployed, Registry
+from polyserve.spaces import NotDeployed, OtherPool, Registry
+
+if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
+    from polyserve.fleet.pools import PoolRouter
 
 log = logging.getLogger("polyserve")
 
@@ -20,10 +26,17 @@ log = logging.getLogger("polyserve")
 class Dispatch:
     """One worker's request path; `serve` is the ASGI callable for `/s/{owner}/{name}/…`."""
 
-    def __init__(self, registry: Registry, meter: Meter, deadlines: Deadlines) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        meter: Meter,
+        deadlines: Deadlines,
+        pools: PoolRouter | None = None,
+    ) -> None:
         self.registry = registry
         self.meter = meter
         self.deadlines = deadlines
+        self.pools = pools  # in a fleet: where another pool's spaces are served
 
     async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A request for a space: HostApp has set path_params and extended root_path."""
@@ -47,6 +60,10 @@ class Dispatch:
                 status = 404
                 body: dict[str, object] = {"error": f"space {space} is not deployed"}
                 return await answer(scope, receive, send, 404, {**body, "space": space})
+            except OtherPool as exc:
+                # Not this host's to run: the request is counted nowhere (slot is None).
+                status = await self._elsewhere(exc, scope, receive, send)
+                return
             except Exception as exc:
                 slot = self.registry.slot_of(space)
                 if isinstance(exc, loader.LoadError):
@@ -65,6 +82,41 @@ class Dispatch:
                 self.registry.end_lease(active)
         finally:
             count(status)  # a cancelled lease, a client gone: in flight drops all the same
+
+    async def _elsewhere(self, other: OtherPool, scope: Scope, receive: Receive, send: Send) -> int:
+        """Another pool's space: 307 to a live host of that pool, else record the demand
+        and answer 503 with Retry-After (also when the fleet's database is away)."""
+        assert self.pools is not None, "only a fleet host's registry raises OtherPool"
+        space, pool = other.space, other.pool
+        body: dict[str, object] = {"space": space, "pool": pool}
+        retry = {"retry-after": str(self.pools.retry_after_s)}
+        try:
+            url = await self.pools.host_of(pool)
+            if url is None:
+                await self.pools.demand(pool, space)
+        except ClientError as exc:  # Unreachable
+            await answer(scope, receive, send, 503, {**exc.body(), **body}, retry)
+            return 503
+        except Exception:  # a bug of ours: still JSON
+            log.exception("finding a host of pool %s for %s failed", pool, space)
+            error = f"space {space} runs in pool {pool}, and finding a host of it failed"
+            await answer(scope, receive, send, 500, {"error": error, **body})
+            return 500
+        if url is None:
+            error = (
+                f"space {space} needs pool {pool}, which has no live host: one is being"
+                f" started; retry in {self.pools.retry_after_s} s"
+            )
+            await answer(scope, receive, send, 503, {"error": error, **body}, retry)
+            return 503
+        location = url.rstrip("/") + _path_and_query(scope)
+        message = (
+            f"space {space} runs in pool {pool} and this host in pool {other.host_pool}:"
+            f" follow Location to a host of pool {pool}"
+        )
+        body |= {"location": location, "message": message}
+        await answer(scope, receive, send, 307, body, {"location": location})
+        return 307
 
     async def _call(
         self,
@@ -125,11 +177,24 @@ class Dispatch:
         return 500 if status == 0 and scope["type"] == "http" else status
 
 
+def _path_and_query(scope: Scope) -> str:
+    """The request's path and query as this host received them, for another host."""
+    raw = scope.get("raw_path")
+    path = raw.decode("latin-1") if raw else quote(scope["path"])
+    query = scope.get("query_string", b"").decode("latin-1")
+    return f"{path}?{query}" if query else path
+
+
 async def answer(
-    scope: Scope, receive: Receive, send: Send, status: int, body: dict[str, object]
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    status: int,
+    body: dict[str, object],
+    headers: Mapping[str, str] | None = None,
 ) -> None:
     """A JSON error for HTTP; for a websocket, a close code that says as much."""
     if scope["type"] == "http":
-        await JSONResponse(body, status_code=status)(scope, receive, send)
+        await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)
     elif scope["type"] == "websocket":
         await send({"type": "websocket.close", "code": 1011 if status >= 500 else 1008})

@@ -5,10 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from polyserve import __version__
-from polyserve.names import PART
+from polyserve.names import PART, POOL
 
 NAME_PART = f"^{PART}$"
 SPACE = f"^{PART}/{PART}$"
+POOL_NAME = {
+    "type": "string",
+    "pattern": f"^{POOL}$",
+    "description": "the pool whose hosts run it (polyserve.toml's `pool`; default cpu)",
+}
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -92,7 +97,23 @@ SPEC: dict[str, Any] = {
         "/_polyserve/spaces": {
             "get": {
                 "summary": "Every deployed space and its current version",
-                "responses": {"200": _json("spaces", {"type": "object", "required": ["spaces"]})},
+                "responses": {
+                    "200": _json(
+                        "spaces",
+                        {
+                            "type": "object",
+                            "required": ["spaces"],
+                            "properties": {
+                                "spaces": {
+                                    "type": "object",
+                                    "additionalProperties": {
+                                        "$ref": "#/components/schemas/Current"
+                                    },
+                                }
+                            },
+                        },
+                    )
+                },
             }
         },
         "/_polyserve/spaces/{owner}/{name}": {
@@ -141,7 +162,26 @@ SPEC: dict[str, Any] = {
                 "parameters": _SPACE_PARAMS,
                 "responses": {
                     "default": {"description": "the space's answer"},
+                    "307": {
+                        "description": "in a fleet, a space of another pool than this"
+                        " host's: Location is the same path on a live host of that pool",
+                        "headers": {"Location": {"schema": {"type": "string"}}},
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/PoolRedirect"}
+                            }
+                        },
+                    },
                     "404": _error("the space is not deployed"),
+                    "503": {
+                        "description": "in a fleet, a space of another pool that has no live"
+                        " host (the demand is recorded, so one is started), or the fleet's"
+                        " database is unreachable: retry after Retry-After seconds",
+                        "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+                        "content": {
+                            "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                        },
+                    },
                 },
             }
         },
@@ -156,15 +196,45 @@ SPEC: dict[str, Any] = {
             },
             "Deployed": {
                 "type": "object",
-                "required": ["space", "version", "sha256", "size", "entry", "kind", "import_ms"],
+                "required": [
+                    "space",
+                    "version",
+                    "sha256",
+                    "size",
+                    "entry",
+                    "pool",
+                    "kind",
+                    "import_ms",
+                ],
                 "properties": {
                     "space": {"type": "string"},
                     "version": {"type": "integer"},
                     "sha256": {"type": "string"},
                     "size": {"type": "integer"},
                     "entry": {"type": "string"},
+                    "pool": POOL_NAME,
                     "kind": {"enum": ["app", "wsgi", "handle"]},
                     "import_ms": {"type": "number"},
+                },
+            },
+            "Current": {
+                "type": "object",
+                "description": "a space's current version, as its deploy published it",
+                "required": ["version", "entry", "pool"],
+                "properties": {
+                    "version": {"type": "integer"},
+                    "entry": {"type": "string"},
+                    "pool": POOL_NAME,
+                },
+            },
+            "PoolRedirect": {
+                "type": "object",
+                "required": ["space", "pool", "location", "message"],
+                "properties": {
+                    "space": {"type": "string"},
+                    "pool": POOL_NAME,
+                    "location": {"type": "string"},
+                    "message": {"type": "string"},
                 },
             },
             "Usage": {

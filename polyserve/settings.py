@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from polyserve.names import DEFAULT_POOL, POOL_RULE, is_pool
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -37,6 +39,12 @@ def positive_float(text: str) -> float:
     if value <= 0:
         raise ValueError(f"must be greater than 0, got {value}")
     return value
+
+
+def pool_name(text: str) -> str:
+    if not is_pool(text):
+        raise ValueError(f"must be a pool name: {POOL_RULE}")
+    return text
 
 
 def const(value: Any) -> Callable[[dict[str, Any]], Any]:
@@ -180,7 +188,19 @@ SETTINGS: tuple[Setting, ...] = (
         "The URL other hosts and the autoscaler reach this host at.",
         "http://POLYSERVE_BIND",
     ),
-    Setting("pool", str, const("cpu"), "The fleet pool this host serves in (cpu, gpu, …)."),
+    Setting(
+        "pool",
+        pool_name,
+        const(DEFAULT_POOL),
+        "The fleet pool this host serves in (cpu, gpu, …): in a fleet it imports only the"
+        " spaces whose manifest names this pool.",
+    ),
+    Setting(
+        "pool_retry_after_s",
+        positive_int,  # Retry-After takes whole seconds
+        const(30),
+        "Retry-After (s) of the 503 for a space whose pool has no live host yet.",
+    ),
     Setting(
         "fleet_poll_s",
         positive_float,
@@ -223,6 +243,7 @@ class Settings:
     host_id: str
     advertise_url: str
     pool: str
+    pool_retry_after_s: int
     fleet_poll_s: float
     fleet_live_s: float
     deploy_wait_s: float

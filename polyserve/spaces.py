@@ -31,6 +31,17 @@ class NotDeployed(Exception):
     """No version of this space is published (never deployed, deleted, or a bad name)."""
 
 
+class OtherPool(Exception):
+    """The space's current version runs in another pool than this fleet host's: it is
+    neither imported nor fetched here."""
+
+    def __init__(self, space: str, pool: str, host_pool: str) -> None:
+        super().__init__(f"{space} runs in pool {pool}, this host in pool {host_pool}")
+        self.space = space
+        self.pool = pool
+        self.host_pool = host_pool
+
+
 @dataclass(eq=False)
 class Active:
     """One version this worker holds: the one serving, or a retired one still draining."""
@@ -59,6 +70,7 @@ class Registry:
         space_threads: int = loader.DEFAULT_THREADS,
         host_limiter: anyio.CapacityLimiter | None = None,
         fetch: Callable[[Version], None] | None = None,
+        pool: str | None = None,
     ) -> None:
         self.store = store
         self.broadcast = broadcast
@@ -72,6 +84,12 @@ class Registry:
         # In a fleet: put a version's files in place, for one this host knows only by
         # its pointer (a host that joined, or caught up far behind, fetches on first use).
         self.fetch = fetch
+        # In a fleet, the only pool whose spaces this worker imports; None (a single
+        # host) imports every space whatever its pool.
+        self.pool = pool
+        # Another pool's spaces, with the generation at which that was found: until the
+        # word moves (a deploy or a delete), a request for one is sent elsewhere at once.
+        self._other_pool: dict[str, tuple[int, str]] = {}
         self._collect_at: asyncio.TimerHandle | None = None
         self._collected = 0.0  # loop time of the last collection
         self.active: dict[str, Active] = {}
@@ -96,6 +114,9 @@ class Registry:
             if active is not None and active.generation == generation:
                 active.inflight += 1
                 return active
+            other = self._other_pool.get(space)
+            if other is not None and other[0] == generation and self.pool is not None:
+                raise OtherPool(space, other[1], self.pool)
             # Stale or absent. A load started for an older generation may finish with
             # an older version, so wait for it and look again rather than trust it.
             task = self._loading.get(space) or self._start_load(space, slot, generation)
@@ -161,6 +182,13 @@ class Registry:
             if current is not None:
                 self._retire(current)
             raise NotDeployed(space)
+        if self.pool is not None and version.pool != self.pool:
+            # Checked on the cold path only: a loaded space costs its requests nothing.
+            self._unhold(space, slot, version.number)
+            if current is not None:  # redeployed into another pool
+                self._retire(current)
+            self._other_pool[space] = (generation, version.pool)
+            raise OtherPool(space, version.pool, self.pool)
         releases = self.broadcast.releases(slot)
         if current is not None and current.version == version and current.releases == releases:
             self._unhold(space, slot, version.number)  # the Active holds it already

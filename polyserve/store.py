@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from polyserve.errors import DISK_FULL, ClientError
+from polyserve.names import DEFAULT_POOL
 from polyserve.slots import Reclaim, SlotLog
 from polyserve.unpack import unpack_upload
 
@@ -43,6 +44,7 @@ class Staged:
     entry: str  # entry module file name at the top of dir
     sha256: str
     size: int
+    pool: str = DEFAULT_POOL  # the manifest's: which hosts of a fleet serve it
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Version:
     number: int
     dir: Path
     entry: str
+    pool: str = DEFAULT_POOL  # in a fleet, only a host of this pool imports it
 
 
 class Store:
@@ -77,11 +80,11 @@ class Store:
             staging = Path(tempfile.mkdtemp(dir=self.staging_dir))
         try:
             with _disk_full_is_507():
-                entry = unpack_upload(upload, staging, filename, max_unpacked)
+                manifest = unpack_upload(upload, staging, filename, max_unpacked)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        return Staged(staging, entry, digest, size)
+        return Staged(staging, manifest.entry, digest, size, manifest.pool)
 
     def discard(self, staged: Staged) -> None:
         shutil.rmtree(staged.dir, ignore_errors=True)
@@ -119,6 +122,7 @@ class Store:
             "sha256": staged.sha256,
             "size": staged.size,
             "entry": staged.entry,
+            "pool": staged.pool,
             "deployed_at": meta.get("deployed_at", time.time()),
         }
         fresh = self.install(space, number, staged)
@@ -211,7 +215,9 @@ class Store:
         meta = self.meta(space, number)
         if meta is None:  # deleted between the readlink and here
             return None
-        return Version(space, number, sdir / "versions" / str(number), str(meta["entry"]))
+        # Versions published before pools existed say none: they are the default pool's.
+        pool = str(meta.get("pool", DEFAULT_POOL))
+        return Version(space, number, sdir / "versions" / str(number), str(meta["entry"]), pool)
 
     def meta(self, space: str, number: int) -> dict[str, object] | None:
         try:
@@ -227,7 +233,7 @@ class Store:
             version = self.current(space)
             meta = self.meta(space, version.number) if version is not None else None
             if meta is not None:
-                found[space] = meta
+                found[space] = {**meta, "pool": meta.get("pool", DEFAULT_POOL)}
         return found
 
 

@@ -8,10 +8,12 @@ import re
 import tarfile
 import tomllib
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, BinaryIO, NoReturn, cast
+from typing import IO, Any, BinaryIO, NoReturn, cast
 
 from polyserve.errors import DISK_FULL, ClientError
+from polyserve.names import DEFAULT_POOL, POOL_RULE, is_pool
 
 MANIFEST = "polyserve.toml"
 DEFAULT_ENTRIES = ("main.py", "app.py")
@@ -41,8 +43,17 @@ _TYPE_NAMES = {
 }
 
 
-def unpack_upload(upload: BinaryIO, dest: Path, filename: str, max_unpacked: int) -> str:
-    """Write an upload into the empty directory dest and return its entry module's name.
+@dataclass(frozen=True)
+class Manifest:
+    """What an upload says about itself: its entry module, and the pool it runs in."""
+
+    entry: str  # a .py file at the top of the upload
+    pool: str = DEFAULT_POOL
+
+
+def unpack_upload(upload: BinaryIO, dest: Path, filename: str, max_unpacked: int) -> Manifest:
+    """Write an upload into the empty directory dest and return its manifest (a single .py
+    has none: its entry is itself, its pool the default).
 
     Raises ClientError (4xx) for a refused upload and lets a disk-full OSError through; the
     caller removes dest on any error, so files written before a check fails are harmless.
@@ -51,9 +62,9 @@ def unpack_upload(upload: BinaryIO, dest: Path, filename: str, max_unpacked: int
         # Keep the uploaded name, so errors and tracebacks name the user's file.
         entry = filename if _SOURCE_NAME.fullmatch(filename) else "main.py"
         _write_source(upload, dest / entry, filename)
-        return entry
+        return Manifest(entry)
     extract_tar(upload, dest, max_unpacked, filename)
-    return _find_entry(dest)
+    return _read_manifest(dest)
 
 
 def extract_tar(upload: BinaryIO, dest: Path, max_unpacked: int, filename: str) -> None:
@@ -248,25 +259,60 @@ def _write_source(upload: BinaryIO, dest: Path, filename: str) -> None:
     dest.write_bytes(data)
 
 
-def _find_entry(root: Path) -> str:
+def _read_manifest(root: Path) -> Manifest:
+    """The tar's polyserve.toml (`entry`, `pool`: both optional), or the defaults."""
     manifest = root / MANIFEST
-    if manifest.is_file():
-        if manifest.stat().st_size > MAX_MANIFEST_BYTES:
-            raise ClientError(422, f"{MANIFEST} is larger than {MAX_MANIFEST_BYTES >> 10} KiB")
-        try:
-            entry = tomllib.loads(manifest.read_text("utf-8")).get("entry")
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ClientError(422, f"{MANIFEST} is not valid TOML: {_clip(str(exc))}") from None
-        if not isinstance(entry, str) or "/" in entry or not entry.endswith(".py"):
-            raise ClientError(
-                422,
-                f"{MANIFEST}: entry must name a .py file at the top of the tar",
-                entry=entry if entry is None else _clip(entry),
-            )
-        # Over NAME_MAX, is_file() would raise ENAMETOOLONG rather than say False.
-        if len(entry.encode("utf-8", "surrogatepass")) > 255 or not (root / entry).is_file():
-            raise ClientError(422, f"{MANIFEST}: entry {_clip(entry)} is not in the tar")
-        return entry
+    if not manifest.is_file():
+        return Manifest(_default_entry(root))
+    if manifest.stat().st_size > MAX_MANIFEST_BYTES:
+        raise ClientError(422, f"{MANIFEST} is larger than {MAX_MANIFEST_BYTES >> 10} KiB")
+    try:
+        table = tomllib.loads(manifest.read_text("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ClientError(422, f"{MANIFEST} is not valid TOML: {_clip(str(exc))}") from None
+    pool = _pool(table.get("pool", DEFAULT_POOL))
+    entry = table.get("entry")
+    if entry is None:
+        return Manifest(_default_entry(root), pool)
+    if not isinstance(entry, str) or "/" in entry or not entry.endswith(".py"):
+        raise ClientError(
+            422,
+            f"{MANIFEST}: entry must name a .py file at the top of the tar",
+            field="entry",
+            entry=_clip(entry),
+        )
+    # Over NAME_MAX, is_file() would raise ENAMETOOLONG rather than say False.
+    if len(entry.encode("utf-8", "surrogatepass")) > 255 or not (root / entry).is_file():
+        raise ClientError(422, f"{MANIFEST}: entry {_clip(entry)} is not in the tar", field="entry")
+    return Manifest(entry, pool)
+
+
+def _pool(value: Any) -> str:
+    """The manifest's `pool`, checked: a 422 naming the field says the rule otherwise."""
+    if not isinstance(value, str):
+        raise ClientError(
+            422,
+            f'{MANIFEST}: pool must be a string such as pool = "gpu", not {_toml_type(value)}',
+            field="pool",
+            pool=_clip(value),
+        )
+    if not is_pool(value):
+        raise ClientError(
+            422,
+            f'{MANIFEST}: pool must be a pool name, {POOL_RULE} (e.g. "gpu"; without it,'
+            f" {DEFAULT_POOL})",
+            field="pool",
+            pool=_clip(value),
+        )
+    return value
+
+
+def _toml_type(value: object) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a float", list: "an array"}
+    return names.get(type(value), "a table" if isinstance(value, dict) else "a date or time")
+
+
+def _default_entry(root: Path) -> str:
     for name in DEFAULT_ENTRIES:
         if (root / name).is_file():
             return name

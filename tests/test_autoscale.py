@@ -22,7 +22,7 @@ import pytest
 
 from polyserve.autoscale.local import LocalProvider
 from polyserve.fleet.db import FleetDB
-from tests.helpers import REPO, alive, free_port, until
+from tests.helpers import REPO, alive, free_port, make_tar, until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.gunicorn]
 
@@ -246,3 +246,44 @@ def test_dry_run_decides_and_changes_nothing(autoscaler):
     assert "pool=cpu current=0" in logged and "desired=2" in logged
     assert logged.count("would do: created (dry run)") == 2
     assert a.machines() == [] and a.live() == []
+
+
+def test_a_gpu_space_called_at_zero_brings_the_gpu_pool_up_and_idle_takes_it_down(autoscaler):
+    """The local provider stands in for RunPod as the GPU pool's provider."""
+    a = autoscaler(
+        POLYSERVE_CPU_MIN_WORKERS="1",
+        POLYSERVE_CPU_MAX_WORKERS="1",
+        POLYSERVE_GPU_PROVIDER="local",
+        POLYSERVE_GPU_MIN_WORKERS="0",
+        POLYSERVE_GPU_MAX_WORKERS="1",
+    )
+    cpu = until(lambda: a.live(), 90, "the CPU pool's host")[0]
+    tar = make_tar({"main.py": QUICK, "polyserve.toml": 'pool = "gpu"\n'})
+    r = httpx.post(
+        f"{cpu['url']}/_polyserve/deploy",
+        data={"space": "t/big"},
+        files={"module": ("big.tar", tar)},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["pool"] == "gpu", r.text
+    assert a.machines("gpu") == []
+
+    r = httpx.get(f"{cpu['url']}/s/t/big/", timeout=30)
+    assert r.status_code == 503 and "Retry-After" in r.headers, r.text
+    assert r.json()["pool"] == "gpu"
+
+    (gpu,) = until(lambda: a.live("gpu"), 90, f"a GPU host\n{a.tail()}")
+
+    def redirected() -> httpx.Response | None:
+        # The CPU host's workers look the pool's hosts up at most once a second.
+        r = httpx.get(f"{cpu['url']}/s/t/big/", timeout=30, follow_redirects=True)
+        return r if r.status_code == 200 else None
+
+    r = until(redirected, 30, "the CPU host redirecting to the GPU host")
+    assert str(r.url).startswith(gpu["url"]) and r.history[0].status_code == 307
+    assert "demand at zero" in a.log.read_text()
+
+    # Idle: after the down window the GPU pool is back at its minimum, zero.
+    until(lambda: a.machines("gpu") == [], 90, f"the GPU pool at zero\n{a.tail()}")
+    assert [m["pool"] for m in a.machines("cpu")] == ["cpu"]
+    assert a.stop() == 0

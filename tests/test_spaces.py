@@ -19,7 +19,7 @@ from polyserve.broadcast import Broadcast
 from polyserve.deploys import Deploys
 from polyserve.meter import CELLS, Cell, Meter
 from polyserve.shm import Table
-from polyserve.spaces import NotDeployed, Registry
+from polyserve.spaces import NotDeployed, OtherPool, Registry
 from polyserve.store import Store
 from tests.helpers import make_tar
 
@@ -57,8 +57,11 @@ class World:
     def cell(self, space: str, cell: Cell) -> int:
         return int(self.table.cell_array()[0, self.store.slots.slot(space), cell])
 
-    def deploy(self, space: str, source: str) -> int:
-        staged = self.store.stage(io.BytesIO(make_tar({"main.py": source})), "s.tar", 1 << 20)
+    def deploy(self, space: str, source: str, pool: str | None = None) -> int:
+        files = {"main.py": source}
+        if pool is not None:
+            files["polyserve.toml"] = f'pool = "{pool}"\n'
+        staged = self.store.stage(io.BytesIO(make_tar(files)), "s.tar", 1 << 20)
         return self.deploys.publish(space, staged, {"kind": "?", "import_ms": 0})
 
     def delete(self, space: str) -> None:
@@ -112,6 +115,47 @@ def test_nothing_is_imported_before_the_first_request(world, monkeypatch):
     calls = count_imports(monkeypatch)
     world.deploy("o/s", version(1))
     assert calls == [] and world.registry.active == {}
+
+
+def test_a_fleet_worker_never_imports_another_pools_space(world, monkeypatch):
+    """A worker of a fleet host in pool cpu: a gpu space is neither imported nor counted as
+    a load, and once seen, its requests are sent elsewhere without reading the store
+    again until its generation moves."""
+    calls = count_imports(monkeypatch)
+    world.registry.pool = "cpu"
+    world.deploy("o/g", version(1), pool="gpu")
+    for _ in range(3):
+        with pytest.raises(OtherPool) as err:
+            run(world.call("o/g"))
+        assert (err.value.space, err.value.pool, err.value.host_pool) == ("o/g", "gpu", "cpu")
+    assert calls == [] and world.registry.active == {}
+    assert world.cell("o/g", Cell.LOADS) == 0
+    assert world.broadcast.oldest_held(world.store.slots.slot("o/g")) is None  # no hold left
+    # Known by its generation: the store is not read (a `current` gone behind the
+    # registry's back is not noticed) until a change bumps the word.
+    (world.store.space_dir("o/g") / "current").unlink()
+    with pytest.raises(OtherPool):
+        run(world.call("o/g"))
+    world.deploy("o/g", version(2))  # back to the default pool: this worker's
+    assert run(world.call("o/g")) == 2
+    assert calls == ["o/g"]
+
+
+def test_a_loaded_space_redeployed_into_another_pool_is_let_go(world):
+    world.registry.pool = "cpu"
+    world.deploy("o/m", version(1))
+    assert run(world.call("o/m")) == 1
+    world.deploy("o/m", version(2), pool="gpu")
+    with pytest.raises(OtherPool):
+        run(world.call("o/m"))
+    assert world.registry.active == {}
+    assert world.cell("o/m", Cell.LOADED_SINCE_US) == 0  # its residency was folded
+
+
+def test_without_a_pool_a_worker_serves_every_pool(world):
+    """A single host (Registry.pool None) imports a gpu space like any other."""
+    world.deploy("o/g", version(1), pool="gpu")
+    assert run(world.call("o/g")) == 1
 
 
 @pytest.mark.parametrize("name", ["o/missing", "../x", "a/b/c", "o/.hidden"])

@@ -15,6 +15,7 @@ from psycopg.types.json import Jsonb
 from polyserve.errors import ClientError
 from polyserve.fleet.schema import CHANGE_LOCK, migrate
 from polyserve.meter import TOTAL_NAMES
+from polyserve.names import DEFAULT_POOL
 
 CHANNEL = "polyserve_changes"
 CONNECT_TIMEOUT_S = 5
@@ -47,7 +48,7 @@ class Stored:
     number: int
     sha256: str
     meta: dict[str, Any]
-    data: bytes
+    data: bytes | None  # None: left out, a version of another pool than the reader's
 
 
 USAGE_COLUMNS = TOTAL_NAMES  # the ledger's columns are the meter's totals
@@ -167,14 +168,19 @@ class FleetDB:
             row = conn.execute("SELECT coalesce(max(id), 0) FROM polyserve_changes").fetchone()
         return row[0] if row else 0
 
-    def fetch(self, space: str, number: int) -> Stored | None:
+    def fetch(self, space: str, number: int, pool: str | None = None) -> Stored | None:
+        """A version with its bytes; with `pool`, the bytes only if the version runs in
+        that pool (a host does not download what it will never import)."""
         with self.session() as conn:
             row = conn.execute(
-                "SELECT number, sha256, meta, data FROM polyserve_versions"
-                " WHERE space = %s AND number = %s",
-                (space, number),
+                "SELECT number, sha256, meta, CASE WHEN %s::text IS NULL"
+                " OR coalesce(meta->>'pool', %s) = %s THEN data END"
+                " FROM polyserve_versions WHERE space = %s AND number = %s",
+                (pool, DEFAULT_POOL, pool, space, number),
             ).fetchone()
-        return None if row is None else Stored(row[0], row[1], row[2], bytes(row[3]))
+        if row is None:
+            return None
+        return Stored(row[0], row[1], row[2], None if row[3] is None else bytes(row[3]))
 
     # -- hosts -----------------------------------------------------------------------
 

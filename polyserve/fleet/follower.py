@@ -56,6 +56,7 @@ def install(store: Store, space: str, stored: Stored, max_unpacked: int) -> None
     same caps), byte-compiled. Nothing happens if they are there already."""
     if (store.space_dir(space) / "versions" / str(stored.number)).is_dir():
         return
+    assert stored.data is not None, "fetched without its bytes"
     if hashlib.sha256(stored.data).hexdigest() != stored.sha256:
         raise ClientError(500, f"{space} v{stored.number}: sha256 mismatch in the fleet store")
     upload = str(stored.meta.get("upload") or "space.tar")
@@ -167,10 +168,14 @@ class Follower:
     def _apply(self, change: Change) -> None:
         store, space = self.store, change.space
         if change.kind == "deploy" and change.version is not None:
-            stored = self.db.fetch(space, change.version)
+            # Another pool's version comes without its bytes: this host only points at
+            # it (its workers redirect its requests), and fetches its files on first use
+            # should it ever serve it (restarted in that pool).
+            stored = self.db.fetch(space, change.version, self.settings.pool)
             if stored is None:
                 return  # gone from the fleet store: a later change supersedes it
-            install(store, space, stored, self.settings.max_unpacked_mb << 20)
+            if stored.data is not None:
+                install(store, space, stored, self.settings.max_unpacked_mb << 20)
             with store.locked():
                 self._bump(space, store.point(space, change.version, stored.meta))
         elif change.kind == "delete":
