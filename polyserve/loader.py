@@ -30,6 +30,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import orjson
 from a2wsgi import WSGIMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -284,12 +285,20 @@ class HandleApp:
         await to_response(result)(scope, receive, send)
 
 
+_ORJSON = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+
+
 def to_response(result: Any) -> Response:
     """Starlette's Response as is; dict/list as JSON; str text; bytes octet-stream; None 204."""
     if isinstance(result, Response):
         return result
     if isinstance(result, dict | list):
-        return JSONResponse(result)
+        try:
+            # orjson: 10x the stdlib's encoder, the same compact UTF-8 for what JSON
+            # allows, and numpy arrays and scalars (a model's output) as lists/numbers.
+            return Response(orjson.dumps(result, option=_ORJSON), media_type="application/json")
+        except TypeError:  # e.g. an int past 64 bits, a set: the stdlib's answer, or its error
+            return JSONResponse(result)
     if isinstance(result, str):
         return PlainTextResponse(result)
     if isinstance(result, bytes | bytearray | memoryview):

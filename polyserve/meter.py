@@ -10,7 +10,7 @@ Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserv
     LOADS            imports (first request, after idle release, after a deploy)
     IMPORT_US        µs spent importing and starting, all loads together
     LAST_IMPORT_US   µs of the latest load
-    RSS_BYTES        resident memory the latest load added to its worker
+    MEMORY_BYTES     anonymous memory the latest load added to its worker
 
 A worker writes only its own row, and only from its event-loop thread (sync handlers
 run in the threadpool, but their requests are metered by the dispatcher on the loop),
@@ -43,7 +43,7 @@ class Cell(IntEnum):
     LOADS = 5
     IMPORT_US = 6
     LAST_IMPORT_US = 7
-    RSS_BYTES = 8
+    MEMORY_BYTES = 8
 
 
 CELLS = len(Cell)
@@ -87,14 +87,14 @@ class Meter:
         if error:
             words[base + _ERRORS] += 1
 
-    def loaded(self, slot: int, started: int, rss_bytes: int) -> None:
+    def loaded(self, slot: int, started: int, memory_bytes: int) -> None:
         """A version finished loading; residency runs from `started`, the load's start."""
         words, base = self.words, self._row + slot * CELLS
         took = self.clock() - started
         words[base + Cell.LOADS] += 1
         words[base + Cell.IMPORT_US] += took
         words[base + Cell.LAST_IMPORT_US] = took
-        words[base + Cell.RSS_BYTES] = max(rss_bytes, 0)
+        words[base + Cell.MEMORY_BYTES] = max(memory_bytes, 0)
         if words[base + Cell.LOADED_SINCE_US] == 0:  # a swap does not restart the stretch
             words[base + Cell.LOADED_SINCE_US] = max(started, 1)  # 0 means "not loaded"
 
@@ -111,6 +111,16 @@ def rss_bytes() -> int:
     """This process's resident set size, from /proc: cheap enough to read at every load."""
     with open("/proc/self/statm", "rb") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def anon_bytes() -> int:
+    """This process's resident anonymous memory (RssAnon: statm's resident minus its
+    file-backed and shared pages), read at every load. What a load adds to it is what the
+    space costs its worker: library pages shared with the master that the load faults
+    back in are file-backed, so unlike RSS growth they do not count."""
+    with open("/proc/self/statm", "rb") as f:
+        fields = f.read().split()
+    return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
 
 
 # -- the master's side ---------------------------------------------------------------
@@ -196,7 +206,7 @@ def snapshot(table: Table, ledger: Ledger, now: int) -> Snapshot:
         totals=t,
         workers_loaded=np.pad((cells[:, :n, Cell.LOADED_SINCE_US] > 0).sum(axis=0), pad),
         last_import_us=np.pad(cells[:, :n, Cell.LAST_IMPORT_US].max(axis=0), pad),
-        memory_bytes=np.pad(cells[:, :n, Cell.RSS_BYTES].max(axis=0), pad),
+        memory_bytes=np.pad(cells[:, :n, Cell.MEMORY_BYTES].max(axis=0), pad),
         workers=int(np.count_nonzero(table.pids)),
         uptime_us=time.time_ns() // 1000 - started if started else 0,
         busy_us=int(summed[:, Cell.BUSY_US].sum()),
@@ -232,7 +242,7 @@ def usage(snap: Snapshot) -> dict[str, object]:
             "cold_starts": c,
             "workers_loaded": wl,
             "last_import_ms": li,
-            "rss_kib": k,
+            "memory_kib": k,
         }
         for name, r, b, w, lo, e, c, wl, li, k in columns
     }

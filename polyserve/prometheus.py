@@ -56,7 +56,7 @@ _SPACE_METRICS: tuple[tuple[str, bool, str, Callable[[Snapshot], np.ndarray]], .
     (
         "polyserve_space_memory_bytes",
         False,
-        "Resident memory the latest load of the space added to its worker.",
+        "Anonymous memory (RssAnon) the latest load of the space added to its worker.",
         lambda snap: snap.memory_bytes,
     ),
 )

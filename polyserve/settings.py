@@ -21,6 +21,9 @@ class Setting:
     default: Callable[[dict[str, Any]], Any]
     doc: str
     default_doc: str = ""  # shown in the README when the default is computed
+    # Most settings take an empty value as unset; one that means "none" when empty
+    # (POLYSERVE_PRELOAD) says so here.
+    empty_is_value: bool = False
 
     @property
     def env(self) -> str:
@@ -45,6 +48,14 @@ def pool_name(text: str) -> str:
     if not is_pool(text):
         raise ValueError(f"must be a pool name: {POOL_RULE}")
     return text
+
+
+def _module_names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
+            raise ValueError(f"{name!r} is not a module name")
+    return names
 
 
 def const(value: Any) -> Callable[[dict[str, Any]], Any]:
@@ -168,6 +179,15 @@ SETTINGS: tuple[Setting, ...] = (
         "Threads a space's sync handle() may use at once, per worker (its own limit).",
     ),
     Setting(
+        "preload",
+        _module_names,
+        const(("numpy", "onnxruntime")),
+        "Modules the master imports before it forks, shared by every worker copy-on-write"
+        " (comma-separated; empty: none). Tenant code is never preloaded.",
+        "numpy,onnxruntime",
+        empty_is_value=True,
+    ),
+    Setting(
         "database_url",
         str,
         const(""),
@@ -239,6 +259,7 @@ class Settings:
     max_upload_mb: int
     max_unpacked_mb: int
     space_threads: int
+    preload: tuple[str, ...]
     database_url: str
     host_id: str
     advertise_url: str
@@ -276,7 +297,7 @@ def read(declared: tuple[Setting, ...], env: Mapping[str, str]) -> dict[str, Any
     values: dict[str, Any] = {}
     for s in declared:
         raw = env.get(s.env)
-        if raw is None or raw == "":
+        if raw is None or (raw == "" and not s.empty_is_value):
             values[s.name] = s.default(values)
             continue
         try:

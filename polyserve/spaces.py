@@ -15,7 +15,7 @@ import anyio.to_thread
 from polyserve import loader
 from polyserve.broadcast import Broadcast
 from polyserve.errors import ClientError
-from polyserve.meter import Meter, rss_bytes
+from polyserve.meter import Meter, anon_bytes
 from polyserve.names import parse_space
 from polyserve.store import Store, Version
 
@@ -194,7 +194,7 @@ class Registry:
             self._unhold(space, slot, version.number)  # the Active holds it already
             current.generation = generation  # a bump that did not change the version
             return current
-        started, started_us, rss_before = self.clock(), self.meter.clock(), rss_bytes()
+        started, started_us, anon_before = self.clock(), self.meter.clock(), anon_bytes()
         try:
             if not version.dir.is_dir():
                 await self._fetch(version)
@@ -212,7 +212,7 @@ class Registry:
             self._unhold(space, slot, version.number)
             raise
         # Memory the load added: approximate when other work runs at the same time.
-        self.meter.loaded(slot, started_us, rss_bytes() - rss_before)
+        self.meter.loaded(slot, started_us, anon_bytes() - anon_before)
         now = self.clock()
         active = Active(imported, version, slot, generation, releases, last_used=now)
         # The switch: from here on new requests get the new version.

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import sys
 import threading
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from starlette.responses import JSONResponse
 from starlette.testclient import TestClient
 
 from polyserve import loader
@@ -290,3 +295,40 @@ def test_a_startup_that_hangs_is_a_load_error_that_leaves_no_task_behind(tmp_pat
 
     assert asyncio.run(main()) == set()
     assert imported.package not in sys.modules
+
+
+# -- handle()'s JSON answers (orjson) ---------------------------------------------------
+
+
+def _json_values(scalars: st.SearchStrategy) -> st.SearchStrategy:
+    tree = st.recursive(
+        scalars,
+        lambda children: st.lists(children) | st.dictionaries(st.text(), children),
+        max_leaves=20,
+    )
+    return st.lists(tree) | st.dictionaries(st.text(), tree)
+
+
+_NO_FLOATS = (
+    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.text()
+)
+
+
+@given(_json_values(_NO_FLOATS))
+def test_a_dict_or_list_answer_is_byte_for_byte_what_the_stdlib_would_send(value):
+    assert loader.to_response(value).body == JSONResponse(value).body
+
+
+@given(_json_values(_NO_FLOATS | st.floats(allow_nan=False, allow_infinity=False)))
+def test_floats_keep_their_values(value):
+    """Only their spelling may differ: orjson writes 0.00006103515625 for 6.103515625e-05."""
+    assert json.loads(loader.to_response(value).body) == json.loads(JSONResponse(value).body)
+
+
+def test_numpy_values_and_big_ints_encode_and_unencodable_values_still_fail():
+    model_output = {"y": np.arange(3), "p": np.float32(0.5)}
+    assert loader.to_response(model_output).body == b'{"y":[0,1,2],"p":0.5}'
+    big = loader.to_response({"big": 2**70}).body  # past orjson's 64 bits: the stdlib's
+    assert big == b'{"big":1180591620717411303424}'
+    with pytest.raises(TypeError):
+        loader.to_response({"s": {1, 2}})  # dispatch turns it into a JSON 500

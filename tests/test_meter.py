@@ -75,9 +75,9 @@ def test_usage_sums_workers_and_counts_open_residency():
     for row, m in enumerate(meters):  # worker w answers w+1 requests on o/a
         for _ in range(row + 1):
             m.end(0, m.begin(), error=False)
-    meters[0].loaded(0, clock.now - 60 * S, rss_bytes=300 * 1024)  # loaded 60 s ago
-    meters[1].loaded(0, clock.now - 30 * S, rss_bytes=100 * 1024)
-    meters[1].loaded(1, clock.now - 10 * S, rss_bytes=0)
+    meters[0].loaded(0, clock.now - 60 * S, memory_bytes=300 * 1024)  # loaded 60 s ago
+    meters[1].loaded(0, clock.now - 30 * S, memory_bytes=100 * 1024)
+    meters[1].loaded(1, clock.now - 10 * S, memory_bytes=0)
     meters[1].released(1)
     u = meter.usage(meter.snapshot(table, SPACES, clock.now))
     a, b, c = (u["spaces"][name] for name in NAMES)
@@ -87,7 +87,7 @@ def test_usage_sums_workers_and_counts_open_residency():
         "warm_s": 90,
         "loaded": True,
     }
-    assert a["workers_loaded"] == 2 and a["cold_starts"] == 2 and a["rss_kib"] == 300
+    assert a["workers_loaded"] == 2 and a["cold_starts"] == 2 and a["memory_kib"] == 300
     assert a["last_import_ms"] == 60_000.0
     assert (b["loaded"], b["warm_s"], b["workers_loaded"]) == (False, 10, 0)
     assert c == {**c, "requests": 0, "warm_s": 0, "loaded": False}
@@ -107,9 +107,9 @@ def test_the_seed_fields_have_the_seed_types():
 
 def test_a_swap_keeps_one_residency_stretch():
     table, clock, (m, *_) = world()
-    m.loaded(0, clock.now, rss_bytes=0)
+    m.loaded(0, clock.now, memory_bytes=0)
     clock.now += 5 * S
-    m.loaded(0, clock.now, rss_bytes=0)  # the new version, while the old drains
+    m.loaded(0, clock.now, memory_bytes=0)  # the new version, while the old drains
     clock.now += 5 * S
     m.released(0)
     assert table.cell_array()[0, 0, Cell.RESIDENT_US] == 10 * S
@@ -119,7 +119,7 @@ def test_a_dead_workers_counts_stay_and_its_residency_is_closed():
     table, clock, meters = world()
     for _ in range(100):
         meters[1].end(0, meters[1].begin(), error=False)
-    meters[1].loaded(0, clock.now, rss_bytes=0)
+    meters[1].loaded(0, clock.now, memory_bytes=0)
     meters[1].begin()  # killed mid-request
     clock.now += 42 * S
     meter.fold_row(table, 1, clock.now)  # what the master does in child_exit
@@ -133,7 +133,7 @@ def test_a_checkpoint_restores_the_same_usage(tmp_path):
     table, clock, meters = world()
     for m in meters:
         m.end(1, m.begin(), error=True)
-    meters[2].loaded(1, clock.now - 7 * S, rss_bytes=0)
+    meters[2].loaded(1, clock.now - 7 * S, memory_bytes=0)
     meter.checkpoint(table, SPACES, tmp_path / "usage.json", clock.now)
     before = meter.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]
 
@@ -152,12 +152,12 @@ def test_no_checkpoint_yet_means_nothing_to_restore(tmp_path):
 
 def test_a_leftover_segment_is_counted_up_to_the_masters_last_checkpoint(tmp_path):
     table, clock, (m, *_) = world()
-    m.loaded(0, clock.now, rss_bytes=0)
+    m.loaded(0, clock.now, memory_bytes=0)
     for _ in range(5):
         m.end(0, m.begin(), error=False)
     clock.now += 3 * S
     meter.checkpoint(table, SPACES, tmp_path / "usage.json", clock.now)  # alive at +3 s
-    m.loaded(1, clock.now + 60 * S, rss_bytes=0)  # a load after the last sign of life
+    m.loaded(1, clock.now + 60 * S, memory_bytes=0)  # a load after the last sign of life
     t = meter.leftover_totals(table)
     assert t[0, Cell.REQUESTS] == 5
     assert t[0, Cell.RESIDENT_US] == 3 * S  # not past the master's last sign of life
@@ -169,7 +169,7 @@ def test_prometheus_exposition_parses_and_carries_the_counts():
     t0 = m.begin()
     clock.now += 1_500_000
     m.end(0, t0, error=False)
-    m.loaded(0, clock.now, rss_bytes=2048)
+    m.loaded(0, clock.now, memory_bytes=2048)
     text = prometheus.exposition(meter.snapshot(table, SPACES, clock.now)).decode()
     samples = {
         (s.name, s.labels.get("space")): s.value
@@ -187,7 +187,7 @@ def test_a_slot_is_reclaimable_only_once_nobody_holds_or_warms_it():
     """Handing a slot over needs its final totals: no hold, no open residency."""
     table, clock, meters = world()
     meters[0].end(1, meters[0].begin(), error=False)
-    meters[1].loaded(1, clock.now, rss_bytes=0)
+    meters[1].loaded(1, clock.now, memory_bytes=0)
     table.held_array()[1, 1] = 4  # worker 1 holds v4
     assert meter.reclaimable(table, 1) is None
     table.held_array()[1, 1] = 0

@@ -1,0 +1,68 @@
+"""Modules preloaded by the master before it forks: shared by the workers, frozen for the
+collector, never tenant code; a space's memory is what it added itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from polyserve import settings
+from tests.helpers import HostProcess
+
+# What a worker holds when its first space is imported: nothing in the worker imported
+# onnxruntime before (polyserve itself never does), so only the master can have.
+PROBE = """
+import gc, sys
+HAD_ORT = "onnxruntime" in sys.modules
+FROZEN = gc.get_freeze_count()
+import onnxruntime
+def handle(request):
+    return {"had_ort": HAD_ORT, "frozen": FROZEN}
+"""
+
+
+def mapped(pid: int, needle: str) -> bool:
+    return needle in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_master_imports_the_preload_before_forking_and_freezes_its_heap(host_factory):
+    host = host_factory(workers=1)
+    assert mapped(host.proc.pid, "onnxruntime_pybind11_state")  # in the master itself
+    assert host.deploy("t/probe", PROBE).status_code == 200
+    body = host.get("/s/t/probe/").json()
+    assert body["had_ort"] is True  # inherited from the master, not imported here
+    assert body["frozen"] > 10_000  # the master's objects, moved out of the collector's way
+
+
+def test_an_empty_preload_preloads_nothing(host_factory):
+    host = host_factory(workers=1, POLYSERVE_PRELOAD="")
+    assert not mapped(host.proc.pid, "onnxruntime_pybind11_state")
+    assert host.deploy("t/probe", PROBE).status_code == 200
+    assert host.get("/s/t/probe/").json()["had_ort"] is False
+
+
+@pytest.mark.gunicorn
+def test_a_preload_that_cannot_be_imported_stops_the_host(tmp_path):
+    host = HostProcess(tmp_path / "data", POLYSERVE_PRELOAD="numpy,no_such_module_here")
+    code, logged = host.start_expecting_exit()
+    assert code == 78  # EX_CONFIG, as a bad tokens file
+    assert "POLYSERVE_PRELOAD: cannot import no_such_module_here" in logged
+
+
+@pytest.mark.parametrize(
+    ("raw", "parsed"),
+    [
+        ("", ()),
+        ("numpy", ("numpy",)),
+        (" numpy , onnxruntime.capi ", ("numpy", "onnxruntime.capi")),
+    ],
+)
+def test_preload_setting(raw, parsed):
+    assert settings.load({"POLYSERVE_PRELOAD": raw}).preload == parsed
+
+
+def test_preload_default_and_bad_names():
+    assert settings.load({}).preload == ("numpy", "onnxruntime")
+    with pytest.raises(ValueError, match="POLYSERVE_PRELOAD='os; rm': 'os; rm' is not a module"):
+        settings.load({"POLYSERVE_PRELOAD": "os; rm"})
