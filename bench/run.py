@@ -354,6 +354,21 @@ def scenario_fleet(args, tmp: Path) -> dict:
     }
 
 
+def scenario_preload(args, tmp: Path) -> dict:
+    result = run_script("preload.py", "--samples", str(max(5, args.rounds * 2)))
+    a = result["preload"]
+    return {
+        "a": "POLYSERVE_PRELOAD=numpy,onnxruntime (the default): a fresh worker's first load",
+        "b": "POLYSERVE_PRELOAD= (nothing preloaded), fresh workers alternated with A's",
+        "goal": "first onnx-tiny load in a fresh worker p50 <= 5 ms, p99 <= 20 ms,"
+        " billed memory <= 2 MiB",
+        "met": a["first_load_p50_ms"] <= 5
+        and a["first_load_p99_ms"] <= 20
+        and a["memory_kib_p50"] <= 2048,
+        **result,
+    }
+
+
 def scenario_autoscale(args, tmp: Path) -> dict:
     result = run_script("autoscale.py", "--rounds", str(max(5, args.rounds * 2)))
     if "skipped" in result:
@@ -384,6 +399,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
     "scaling": scenario_scaling,
     "metering": scenario_metering,
     "fleet": scenario_fleet,
+    "preload": scenario_preload,
     "autoscale": scenario_autoscale,
 }
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from polyserve import auth, meter
+from polyserve import auth, meter, warmup
 from polyserve import settings as settings_mod
 from polyserve.leftover import Leftover
 from polyserve.shm import H_STARTED, Table, segment_name
@@ -152,6 +152,8 @@ def _preload(server: Any, modules: tuple[str, ...]) -> None:
         started = time.perf_counter()
         try:
             importlib.import_module(name)
+            if name in warmup.WARMUPS:
+                warmup.WARMUPS[name]()
         except Exception as exc:
             server.log.error("POLYSERVE_PRELOAD: cannot import %s: %s", name, exc)
             sys.exit(EXIT_BAD_CONFIG)

@@ -66,3 +66,16 @@ def test_preload_default_and_bad_names():
     assert settings.load({}).preload == ("numpy", "onnxruntime")
     with pytest.raises(ValueError, match="POLYSERVE_PRELOAD='os; rm': 'os; rm' is not a module"):
         settings.load({"POLYSERVE_PRELOAD": "os; rm"})
+
+
+def test_the_onnxruntime_warmup_builds_a_working_session():
+    """The embedded model is valid: a warm-up that raised would stop every host."""
+    import numpy as np
+    import onnxruntime
+
+    from polyserve import warmup
+
+    warmup.WARMUPS["onnxruntime"]()
+    session = onnxruntime.InferenceSession(warmup.IDENTITY_ONNX, providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {"x": np.asarray([2.5], dtype=np.float32)})
+    assert out.tolist() == [2.5]
