@@ -127,7 +127,7 @@ def main() -> None:
 # -- deploying and changing spaces -----------------------------------------------------
 
 
-@main.command(cls=_HostCommand)
+@main.command(cls=_HostCommand, short_help="Deploy a .py file, a tar or a directory.")
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
 @click.option("--space", type=SPACE, required=True, help="The space to deploy to: owner/name.")
 @click.option("--dry-run", is_flag=True, help="List what a directory would ship; send nothing.")
@@ -173,7 +173,7 @@ def deploy(
     _lagging(status, body)
 
 
-@main.command(cls=_HostCommand)
+@main.command(cls=_HostCommand, short_help="Make a kept version current again.")
 @click.argument("space", type=SPACE)
 @click.argument("version", type=click.IntRange(min=1), required=False)
 @_json_option
@@ -200,7 +200,7 @@ def rollback(
     _lagging(status, body)
 
 
-@main.command(cls=_HostCommand)
+@main.command(cls=_HostCommand, short_help="Release a space in every worker now.")
 @click.argument("space", type=SPACE)
 @_host_options
 def release(space: str, url: str, token: str, timeout: float) -> None:
@@ -214,7 +214,7 @@ def release(space: str, url: str, token: str, timeout: float) -> None:
     _lagging(status, body)
 
 
-@main.command(cls=_HostCommand)
+@main.command(cls=_HostCommand, short_help="Undeploy a space (asks first).")
 @click.argument("space", type=SPACE)
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @_host_options
@@ -225,6 +225,7 @@ def delete(space: str, yes: bool, url: str, token: str, timeout: float) -> None:
         try:
             confirmed = click.confirm(f"delete {space} from {client.url}?", default=False)
         except click.Abort:  # no answer (no terminal, end of input)
+            click.echo(err=True)  # end the prompt's line
             confirmed = False
         if not confirmed:
             click.echo("not deleted (pass --yes to delete without asking)", err=True)
@@ -255,7 +256,7 @@ def _lagging(status: int, body: dict[str, Any]) -> None:
 # -- reading ---------------------------------------------------------------------------
 
 
-@main.command("list", cls=_HostCommand)
+@main.command("list", cls=_HostCommand, short_help="Every deployed space and its version.")
 @_json_option
 @_host_options
 def list_spaces(as_json: bool, url: str, token: str, timeout: float) -> None:
@@ -280,7 +281,7 @@ def list_spaces(as_json: bool, url: str, token: str, timeout: float) -> None:
     _print_table(headers, rows, right={1, 4, 5}, empty="no spaces deployed")
 
 
-@main.command(cls=_HostCommand)
+@main.command(cls=_HostCommand, short_help="Usage per space, as a table.")
 @click.option("--fleet", is_flag=True, help="The fleet's ledger, summed over every host.")
 @_json_option
 @_host_options
@@ -330,7 +331,7 @@ def _billing(name: str, u: dict[str, Any]) -> list[str]:
     ]
 
 
-@main.command(cls=_HostCommand)
+@main.command(cls=_HostCommand, short_help="A space's kept versions and what happened.")
 @click.argument("space", type=SPACE)
 @_json_option
 @_host_options
@@ -376,7 +377,7 @@ def _v(number: object) -> str:
     return "-" if number is None else f"v{number}"
 
 
-@main.command(cls=_HostCommand)
+@main.command(cls=_HostCommand, short_help="What a space logged recently (-f follows).")
 @click.argument("space", type=SPACE)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new records until Ctrl-C.")
 @click.option(

@@ -24,13 +24,13 @@ def table(
 
 
 def human_ms(ms: object) -> str:
-    """A duration: `0 s`, `0.34 ms`, `37 ms`, `1.2 s`, `3.4 min`, `2.5 h`."""
+    """A duration: `0 s`, `0.34 ms`, `6.7 ms`, `37 ms`, `1.2 s`, `3.4 min`, `2.5 h`."""
     if not isinstance(ms, (int, float)):
         return "-"
     if ms == 0:
         return "0 s"
     if ms < 10:
-        return f"{ms:.2g} ms" if ms < 1 else f"{ms:.1f} ms"
+        return f"{ms:.2f} ms" if ms < 1 else f"{ms:.1f} ms"
     if ms < 1000:
         return f"{ms:.0f} ms"
     seconds = ms / 1000

@@ -373,7 +373,7 @@ def rollback_target(
         if asked is None:
             raise ClientError(
                 404,
-                f"v{current} of {space} replaced no earlier version: name a kept one,"
+                f"{space} v{current} replaced no earlier version: name a kept one,"
                 ' {"version": N}',
                 space=space,
                 kept=kept,
