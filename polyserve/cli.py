@@ -43,7 +43,8 @@ class _HostCommand(click.Command):
             return super().invoke(ctx)
         except HostRefused as exc:
             lines = [f"error: {exc.error} (HTTP {exc.status})"]
-            lines += [f"  {key}: {_plain(value)}" for key, value in exc.details.items()]
+            details = {k: v for k, v in exc.details.items() if v not in ("", None, [])}
+            lines += [f"  {key}: {_plain(value)}" for key, value in details.items()]
             _fail(ctx, lines, EXIT_REFUSED)
         except HostUnavailable as exc:
             status = f" (HTTP {exc.status})" if exc.status else ""
