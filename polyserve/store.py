@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -36,6 +37,7 @@ from polyserve.errors import DISK_FULL, ClientError
 from polyserve.slots import Reclaim, SlotLog
 from polyserve.unpack import unpack_upload
 
+log = logging.getLogger("polyserve")
 DEFAULT_KEEP_VERSIONS = 10  # POLYSERVE_KEEP_VERSIONS
 # Events kept in a space's history file: trimmed to HISTORY_KEEP once it holds twice as
 # many, so a space deployed in a loop costs a bounded file, rewritten once in a while.
@@ -269,7 +271,7 @@ class Store:
         before it). Hold locked(): one writer at a time, so the trim loses nothing."""
         path = self.space_dir(space) / "history.jsonl"
         line = {"event": event, "version": version, "previous": previous, "at": time.time()}
-        with _disk_full_is_507():
+        try:
             with open(path, "ab") as f:
                 f.write(json.dumps(line).encode() + b"\n")
                 size = f.tell()
@@ -278,12 +280,19 @@ class Store:
                 lines = path.read_bytes().splitlines(keepends=True)
                 if len(lines) > 2 * HISTORY_KEEP:
                     write_atomic(path, b"".join(lines[-HISTORY_KEEP:]))
+        except OSError as exc:
+            # After the change it records (`current` has moved): failing the change now
+            # would misreport it. A full disk costs a line of history, not the change.
+            log.warning("%s: could not record the %s in its history: %s", space, event, exc)
 
     def history(self, space: str, limit: int) -> list[dict[str, object]]:
         """The last `limit` events of the space's history, oldest first."""
         try:
             lines = (self.space_dir(space) / "history.jsonl").read_bytes().splitlines()
         except FileNotFoundError:
+            return []
+        except OSError as exc:  # unreadable: pruning then ranks by number alone
+            log.warning("%s: could not read its history: %s", space, exc)
             return []
         events = []
         for line in lines[-limit:]:

@@ -395,3 +395,14 @@ def test_rollback_target_without_replaced_falls_back_to_the_newest_lower_kept_on
         rollback_target("o/s", 2, {}, [2, 3, 5], None)
     assert rollback_target("o/s", 5, {"replaced": 2}, [2, 3, 5], None) == 2
     assert rollback_target("o/s", 5, {"replaced": None}, [2, 3, 5], 3) == 3
+
+
+def test_a_history_that_cannot_be_written_does_not_fail_the_change(store, caplog):
+    """The event is recorded after `current` moved: the change stands, a warning says so."""
+    publish(store, "o/s", {"main.py": ""})
+    path = store.space_dir("o/s") / "history.jsonl"
+    path.unlink()
+    path.mkdir()  # appending to it now fails, as a full disk would
+    assert publish(store, "o/s", {"main.py": "A = 1\n"}) == (0, 2)
+    assert store.current("o/s").number == 2
+    assert "could not record the deploy" in caplog.text
