@@ -197,10 +197,10 @@ class Deploys:
         """A rollback on this host: (the version made current, the one before, its
         metadata). Pruned after the bump, as a deploy is: what a worker holds stays."""
         with self.store.locked():
-            slot, previous, meta = self.store.reactivate(space, asked)
+            slot, number, previous, meta = self.store.reactivate(space, asked)
             self.broadcast.bump(slot)
             self.store.prune(space, self.broadcast.oldest_held(slot))
-        return int(str(meta["version"])), previous, meta
+        return number, previous, meta
 
     async def _change(self, space: str, change: Callable[[str], bool]) -> int:
         if not await self._run(change, space):

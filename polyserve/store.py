@@ -188,9 +188,10 @@ class Store:
             self.record(space, event, number, previous)
         return slot
 
-    def reactivate(self, space: str, asked: int | None) -> tuple[int, int, dict[str, object]]:
+    def reactivate(self, space: str, asked: int | None) -> tuple[int, int, int, dict[str, object]]:
         """A rollback: make a kept version (`asked`, or the one the current version
-        replaced) current again. Hold locked(); returns (slot, previous, its metadata).
+        replaced) current again. Hold locked(); returns (slot, its number, the number
+        of the version it replaced, its metadata).
         Raises ClientError 404 when the space is not deployed or the version is not
         kept (the error lists the kept ones)."""
         current = self.current(space)
@@ -204,7 +205,7 @@ class Store:
         target = self.meta(space, number)
         assert target is not None  # kept() lists only versions with their metadata
         slot = self.point(space, number, target)
-        return slot, current.number, target
+        return slot, number, current.number, target
 
     def delete(self, space: str) -> int | None:
         """Undeploy: drop `current`; prune() removes the versions once nobody uses them.

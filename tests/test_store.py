@@ -279,9 +279,9 @@ def on_disk(store: Store, space: str) -> list[int]:
 
 def roll_back(store: Store, space: str, asked: int | None = None) -> tuple[int, int]:
     with store.locked():
-        _, previous, meta = store.reactivate(space, asked)
+        _, number, previous, _ = store.reactivate(space, asked)
         store.prune(space, oldest_held=None)
-    return meta["version"], previous
+    return number, previous
 
 
 def test_the_history_records_deploys_rollbacks_releases_and_deletes_in_order(store):
