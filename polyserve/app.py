@@ -28,7 +28,7 @@ from polyserve import settings as settings_mod
 from polyserve.auth import Auth
 from polyserve.broadcast import SIGNAL, Broadcast
 from polyserve.deadlines import Deadlines
-from polyserve.deploys import Deploys
+from polyserve.deploys import Deploys, rollback_request
 from polyserve.dispatch import Dispatch, answer
 from polyserve.errors import ClientError
 from polyserve.meter import CELLS, Meter
@@ -61,7 +61,7 @@ async def running_host(
 ) -> AsyncIterator[Host]:
     """A worker's objects and background tasks, from its lifespan startup to shutdown."""
     s = settings
-    store = Store(s.data_dir, s.max_spaces)
+    store = Store(s.data_dir, s.max_spaces, s.keep_versions)
     # Without the gunicorn master (in-process tests), a private one-row table.
     table, row = hooks.inherited() or (Table.anonymous(1, s.max_spaces, CELLS), 0)
     broadcast, usage = Broadcast(table, row), Meter(table, row)
@@ -136,6 +136,8 @@ class ControlPlane:
             Route("/_polyserve/spaces", self.list_spaces, methods=["GET"]),
             Route("/_polyserve/spaces/{owner}/{name}", self.delete, methods=["DELETE"]),
             Route("/_polyserve/spaces/{owner}/{name}/release", self.release, methods=["POST"]),
+            Route("/_polyserve/spaces/{owner}/{name}/versions", self.versions, methods=["GET"]),
+            Route("/_polyserve/spaces/{owner}/{name}/rollback", self.rollback, methods=["POST"]),
             Route("/_polyserve/usage", self.usage, methods=["GET"]),
             Route("/_polyserve/health", self.health, methods=["GET"]),
             Route("/_polyserve/fleet", self.fleet, methods=["GET"]),
@@ -185,6 +187,21 @@ class ControlPlane:
         space = self._space_to_write(request)
         status, body = await self.running.deploys.release(space)
         return JSONResponse({"space": space, "released": True, **body}, status_code=status)
+
+    async def versions(self, request: Request) -> Response:
+        """A space's kept versions and its history (a read: open, like usage)."""
+        space = f"{request.path_params['owner']}/{request.path_params['name']}"
+        return JSONResponse(await self.running.deploys.versions(space))
+
+    async def rollback(self, request: Request) -> Response:
+        """Make a kept version current again: the body is nothing or {"version": N}."""
+        space = self._space_to_write(request)  # before the body is read
+        try:
+            body = await Request(request.scope, _limited(request.receive, 1 << 16)).body()
+        except _TooLarge:
+            raise ClientError(413, 'a rollback\'s body is {"version": N}, or nothing') from None
+        status, answer = await self.running.deploys.rollback(space, rollback_request(body))
+        return JSONResponse(answer, status_code=status)
 
     def _space_to_write(self, request: Request) -> str:
         space = f"{request.path_params['owner']}/{request.path_params['name']}"

@@ -1,13 +1,14 @@
-"""The writes: deploy, undeploy, release — stage, validate, publish under the lock, bump, announce.
+"""The writes: deploy, undeploy, release, rollback — stage, validate, publish, bump, announce.
 
-Nothing here knows HTTP: the control plane's handlers, and later the CLI's host side
-and the fleet follower, call these. Each change happens under the store lock, bumps the
+Nothing here knows HTTP: the control plane's handlers and tests call these (and read a
+space's versions and history here). Each change happens under the store lock, bumps the
 space's generation word and then signals the other workers, so "after the answer, no
 worker starts a new request on an older version" holds whoever made the change.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from functools import partial
@@ -19,9 +20,10 @@ import anyio.to_thread
 from polyserve import meter
 from polyserve.broadcast import Broadcast
 from polyserve.errors import ClientError
+from polyserve.names import parse_space
 from polyserve.settings import Settings, scrubbed_environ
 from polyserve.shm import Table
-from polyserve.store import Staged, Store
+from polyserve.store import Staged, Store, describe
 from polyserve.validate import validate
 
 if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
@@ -29,6 +31,7 @@ if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays 
     from polyserve.fleet.db import Change
 
 _T = TypeVar("_T")
+HISTORY_LIMIT = 100  # events in a versions answer: the most recent ones
 
 
 class Deploys:
@@ -107,6 +110,48 @@ class Deploys:
             return await self._fleet_change(space, self.fleet.db.release)
         return 200, {"workers_signalled": await self._change(space, self.request_release)}
 
+    async def rollback(self, space: str, asked: int | None) -> tuple[int, dict[str, object]]:
+        """Make a kept version current again (`asked`, or the one the current version
+        replaced), with a deploy's contract: once this answers 200, no worker (no host,
+        in a fleet) starts a new request on another version."""
+        if self.fleet is not None:
+            change, previous, meta = await self._run(self.fleet.db.rollback, space, asked)
+            status, hosts = await self.fleet.applied(change)
+            return status, {**_rolled_back(space, meta, change.version, previous), "hosts": hosts}
+        number, previous, meta = await self._run(self.reactivate, space, asked)
+        self._announce()
+        return 200, _rolled_back(space, meta, number, previous)
+
+    async def versions(self, space: str) -> dict[str, object]:
+        """The space's kept versions (in a fleet: every version the fleet store keeps)
+        and its recent history; ClientError 404 for a space never deployed."""
+        parse_space(space)
+        if self.fleet is not None:
+            current, versions, history = await self._run(
+                self.fleet.db.versions, space, HISTORY_LIMIT
+            )
+            where = "fleet"
+        else:
+            current, versions, history = await self._run(self._local_versions, space)
+            where = "host"
+        if not versions and not history:
+            raise ClientError(404, f"space {space} was never deployed", space=space)
+        return {
+            "space": space,
+            "current": current,
+            "store": where,
+            "keep_versions": self.settings.keep_versions,
+            "versions": versions,
+            "history": history,
+        }
+
+    def _local_versions(
+        self, space: str
+    ) -> tuple[int | None, list[dict[str, object]], list[dict[str, object]]]:
+        version = self.store.current(space)
+        history = self.store.history(space, HISTORY_LIMIT)
+        return (version.number if version else None), self.store.versions(space), history
+
     async def _fleet_change(
         self, space: str, commit: Callable[[str], Change | None]
     ) -> tuple[int, dict[str, object]]:
@@ -143,10 +188,21 @@ class Deploys:
         """Tell every worker to drop its copy; False when the space is not deployed."""
         with self.store.locked():
             slot = self.store.slots.slot(space)
-            if slot is None or self.store.current(space) is None:
+            current = self.store.current(space)
+            if slot is None or current is None:
                 return False
             self.broadcast.release(slot)
+            self.store.record(space, "release", current.number, current.number)
         return True
+
+    def reactivate(self, space: str, asked: int | None) -> tuple[int, int, dict[str, object]]:
+        """A rollback on this host: (the version made current, the one before, its
+        metadata). Pruned after the bump, as a deploy is: what a worker holds stays."""
+        with self.store.locked():
+            slot, number, previous, meta = self.store.reactivate(space, asked)
+            self.broadcast.bump(slot)
+            self.store.prune(space, self.broadcast.oldest_held(slot))
+        return number, previous, meta
 
     async def _change(self, space: str, change: Callable[[str], bool]) -> int:
         if not await self._run(change, space):
@@ -163,3 +219,37 @@ class Deploys:
 
     async def _run(self, func: Callable[..., _T], *args: object) -> _T:
         return await anyio.to_thread.run_sync(func, *args, limiter=self.threads)
+
+
+def _rolled_back(
+    space: str, meta: dict[str, object], number: int | None, previous: int | None
+) -> dict[str, object]:
+    body = describe(meta, number or 0, number)
+    del body["current"]  # it is, by now
+    return {"space": space, **body, "previous": previous}
+
+
+def rollback_request(body: bytes) -> int | None:
+    """The version a rollback's body asks for: nothing (or `{}`) for the default, else
+    `{"version": N}`. Raises ClientError 422 saying what to send instead."""
+    expected = 'send no body (the version the current one replaced) or {"version": N}'
+    if not body.strip():
+        return None
+    try:
+        asked = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ClientError(422, f"the body is not JSON: {expected}") from None
+    if not isinstance(asked, dict):
+        raise ClientError(422, f"the body must be a JSON object: {expected}")
+    unknown = sorted(set(asked) - {"version"})
+    if unknown:
+        raise ClientError(422, f"unknown field {unknown[0]!r}: {expected}", unknown=unknown)
+    version = asked.get("version")
+    if version is None:
+        return None
+    # bool is an int to Python, never a version to a person
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ClientError(
+            422, f"`version` must be a whole number from 1 up, got {json.dumps(version)[:40]}"
+        )
+    return version

@@ -27,6 +27,10 @@ def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+def _array_of(schema: str) -> dict[str, Any]:
+    return {"type": "array", "items": {"$ref": f"#/components/schemas/{schema}"}}
+
+
 _SPACE_PARAMS = [
     {
         "name": part,
@@ -123,6 +127,48 @@ SPEC: dict[str, Any] = {
             "post": _space_write(
                 "Release the space in every worker now; the next call imports it", "released"
             ),
+        },
+        "/_polyserve/spaces/{owner}/{name}/versions": {
+            "get": {
+                "summary": "The space's kept versions, which is current, and its history",
+                "parameters": _SPACE_PARAMS,
+                "responses": {
+                    "200": _json("versions", {"$ref": "#/components/schemas/Versions"}),
+                    "404": _error("the space was never deployed"),
+                    "422": _error("the space name is not valid"),
+                },
+            }
+        },
+        "/_polyserve/spaces/{owner}/{name}/rollback": {
+            "post": {
+                "summary": "Make a kept version current again (default: the one the current"
+                " version replaced); answers once no worker starts a request on another",
+                "security": [{}, {"bearer": []}],
+                "parameters": _SPACE_PARAMS,
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {"version": {"type": "integer", "minimum": 1}},
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json("rolled back", {"$ref": "#/components/schemas/RolledBack"}),
+                    "202": _json(
+                        "a fleet: committed, but `lagging` hosts have not applied it yet",
+                        {"$ref": "#/components/schemas/RolledBack"},
+                    ),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed, or that version is not kept"),
+                    "413": _error("the body is larger than a rollback's body can be"),
+                    "422": _error("the space name or the body is not valid, and why"),
+                },
+            }
         },
         "/_polyserve/usage": {
             "get": {
@@ -235,6 +281,62 @@ SPEC: dict[str, Any] = {
                     "pool": POOL_NAME,
                     "location": {"type": "string"},
                     "message": {"type": "string"},
+                },
+            },
+            "Version": {
+                "type": "object",
+                "required": ["version", "sha256", "size", "entry", "kind", "current"],
+                "properties": {
+                    "version": {"type": "integer"},
+                    "sha256": {"type": "string"},
+                    "size": {"type": "integer"},
+                    "entry": {"type": "string"},
+                    "kind": {"enum": ["app", "wsgi", "handle"]},
+                    "import_ms": {"type": "number"},
+                    "deployed_at": {"type": "number", "description": "unix seconds"},
+                    "replaced": {
+                        "type": "integer",
+                        "nullable": True,
+                        "description": "the version current when this one was deployed",
+                    },
+                    "current": {"type": "boolean"},
+                },
+            },
+            "Event": {
+                "type": "object",
+                "required": ["event", "version", "previous", "at"],
+                "properties": {
+                    "event": {"enum": ["deploy", "rollback", "delete", "release"]},
+                    "version": {"type": "integer", "nullable": True},
+                    "previous": {"type": "integer", "nullable": True},
+                    "at": {"type": "number", "description": "unix seconds"},
+                },
+            },
+            "Versions": {
+                "type": "object",
+                "required": ["space", "current", "store", "versions", "history"],
+                "properties": {
+                    "space": {"type": "string"},
+                    "current": {"type": "integer", "nullable": True},
+                    "store": {"enum": ["host", "fleet"]},
+                    "keep_versions": {"type": "integer"},
+                    "versions": _array_of("Version"),
+                    "history": _array_of("Event"),
+                },
+            },
+            "RolledBack": {
+                "type": "object",
+                "required": ["space", "version", "previous", "sha256", "entry", "kind"],
+                "properties": {
+                    "space": {"type": "string"},
+                    "version": {"type": "integer"},
+                    "previous": {"type": "integer"},
+                    "sha256": {"type": "string"},
+                    "size": {"type": "integer"},
+                    "entry": {"type": "string"},
+                    "kind": {"enum": ["app", "wsgi", "handle"]},
+                    "import_ms": {"type": "number"},
+                    "hosts": {"type": "object", "description": "in a fleet: applied, live"},
                 },
             },
             "Usage": {

@@ -154,6 +154,13 @@ SETTINGS: tuple[Setting, ...] = (
         "Space slots in the shared table; a deploy of a new space past it answers 507.",
     ),
     Setting(
+        "keep_versions",
+        positive_int,
+        const(10),
+        "Published versions kept per space for rollbacks (the most recently current ones);"
+        " a version a worker still uses stays until it is let go.",
+    ),
+    Setting(
         "checkpoint_interval",
         positive_float,
         const(5.0),
@@ -255,6 +262,7 @@ class Settings:
     import_timeout: float
     import_memory_mb: int
     max_spaces: int
+    keep_versions: int
     checkpoint_interval: float
     max_upload_mb: int
     max_unpacked_mb: int

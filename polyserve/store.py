@@ -1,4 +1,4 @@
-"""The shared directory: stage an upload safely, publish atomically, read the current version.
+"""The shared directory: stage an upload safely, publish atomically, read versions and history.
 
 Layout under POLYSERVE_DATA_DIR::
 
@@ -9,8 +9,12 @@ Layout under POLYSERVE_DATA_DIR::
     spaces/<owner>/<name>/current   symlink -> versions/<n>, replaced atomically
     spaces/<owner>/<name>/versions/<n>/       immutable files of version n
     spaces/<owner>/<name>/versions/<n>.json   its metadata
+    spaces/<owner>/<name>/history.jsonl       what happened: one JSON event a line
 
-Published version directories are never written again; only ``current`` moves.
+Published version directories are never written again; only ``current`` moves. Each
+move of ``current`` (a deploy, a rollback, a delete) and each release appends an event
+to the history, which is also what ranks versions for pruning: the last
+``keep_versions`` versions that were made current stay, whatever their numbers.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -33,7 +38,11 @@ from polyserve.names import DEFAULT_POOL
 from polyserve.slots import Reclaim, SlotLog
 from polyserve.unpack import unpack_upload
 
-KEEP_VERSIONS = 3  # older versions are pruned; in-flight requests only ever use the last two
+log = logging.getLogger("polyserve")
+DEFAULT_KEEP_VERSIONS = 10  # POLYSERVE_KEEP_VERSIONS
+# Events kept in a space's history file: trimmed to HISTORY_KEEP once it holds twice as
+# many, so a space deployed in a loop costs a bounded file, rewritten once in a while.
+HISTORY_KEEP = 500
 
 
 @dataclass(frozen=True)
@@ -59,9 +68,15 @@ class Version:
 
 
 class Store:
-    def __init__(self, data_dir: str | os.PathLike[str], max_spaces: int) -> None:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        max_spaces: int,
+        keep_versions: int = DEFAULT_KEEP_VERSIONS,
+    ) -> None:
         self.root = Path(data_dir).resolve()
         self.max_spaces = max_spaces
+        self.keep_versions = keep_versions
         self.spaces_dir = self.root / "spaces"
         self.staging_dir = self.root / "staging"
         for d in (self.spaces_dir, self.staging_dir):
@@ -116,6 +131,8 @@ class Store:
         if number is None:
             number = _read_int(sdir / "last") + 1
         meta = {
+            # What this version replaced: a rollback without a number goes back to it.
+            "replaced": _current_number(sdir),
             **meta,
             "space": space,
             "version": number,
@@ -156,7 +173,9 @@ class Store:
         sync: bool = True,
     ) -> int:
         """Make version `number` (with this metadata) current; its files may come later
-        (a fleet host fetches them on first use). Hold locked(); returns the slot."""
+        (a fleet host fetches them on first use). A number past the last one handed out
+        is a deploy, any other a rollback: the history says which. Hold locked();
+        returns the slot."""
         sdir = self.space_dir(space)
         with _disk_full_is_507():
             slot = self.slots.slot(space)
@@ -164,45 +183,146 @@ class Store:
                 slot = self.slots.allocate(space, self._deleted, reclaim, sync=sync)
             (sdir / "versions").mkdir(parents=True, exist_ok=True)
             write_atomic(sdir / "versions" / f"{number}.json", json.dumps(meta).encode())
+            previous = _current_number(sdir)
+            event = "rollback"
             if number > _read_int(sdir / "last"):
                 write_atomic(sdir / "last", str(number).encode())
+                event = "deploy"
             _symlink_atomic(f"versions/{number}", sdir / "current")
+            self.record(space, event, number, previous)
         return slot
+
+    def reactivate(self, space: str, asked: int | None) -> tuple[int, int, int, dict[str, object]]:
+        """A rollback: make a kept version (`asked`, or the one the current version
+        replaced) current again. Hold locked(); returns (slot, its number, the number
+        of the version it replaced, its metadata).
+        Raises ClientError 404 when the space is not deployed or the version is not
+        kept (the error lists the kept ones)."""
+        current = self.current(space)
+        if current is None:
+            raise ClientError(
+                404, f"space {space} is not deployed: deploy it, then roll back", space=space
+            )
+        kept = self.kept(space)
+        meta = self.meta(space, current.number) or {}
+        number = rollback_target(space, current.number, meta, kept, asked)
+        target = self.meta(space, number)
+        assert target is not None  # kept() lists only versions with their metadata
+        slot = self.point(space, number, target)
+        return slot, number, current.number, target
 
     def delete(self, space: str) -> int | None:
         """Undeploy: drop `current`; prune() removes the versions once nobody uses them.
         Hold locked(); returns the slot, or None when the space is not deployed."""
+        previous = _current_number(self.space_dir(space))
         try:
             os.unlink(self.space_dir(space) / "current")
         except FileNotFoundError:
             return None
+        self.record(space, "delete", None, previous)
         return self.slots.slot(space)
 
     def _deleted(self, space: str) -> bool:
         return not os.path.lexists(self.space_dir(space) / "current")
 
     def prune(self, space: str, oldest_held: int | None) -> None:
-        """Remove the versions nobody can use any more: those older than the newest
-        KEEP_VERSIONS (all of them once the space is deleted) that are also older than
-        the oldest version a worker holds — a draining request or a slow load may still
-        read its files. Hold locked()."""
+        """Remove the versions nobody can use any more. Kept: the current one and the
+        ones made current most recently, keep_versions in all (none once the space is
+        deleted), and every version numbered from the oldest one a worker holds — a
+        draining request or a slow load may still read its files (a worker publishes
+        only the oldest number it holds, so everything from there up stays). Hold
+        locked()."""
         sdir = self.space_dir(space)
         current = _current_number(sdir)
-        newest = _read_int(sdir / "last")
-        floor = newest - KEEP_VERSIONS + 1 if current is not None else newest + 1
-        if oldest_held is not None:
-            floor = min(floor, oldest_held)
         try:
             paths = list((sdir / "versions").iterdir())
         except FileNotFoundError:
             return
+        found = {int(n) for p in paths if (n := p.name.removesuffix(".json")).isdigit()}
+        keep = set()
+        if current is not None:  # a deleted space keeps only what is held
+            keep = set(self._ranked(space, found)[: self.keep_versions])
         for path in paths:
-            number = path.name.removesuffix(".json")
-            if number.isdigit() and int(number) < floor and int(number) != current:
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
+            name = path.name.removesuffix(".json")
+            if not name.isdigit():
+                continue
+            number = int(name)
+            if number in keep or number == current:
+                continue
+            if oldest_held is not None and number >= oldest_held:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+    def _ranked(self, space: str, numbers: set[int]) -> list[int]:
+        """`numbers`, the most recently made current first (by the history); those the
+        history no longer names (or never did: a data directory from before it) after
+        them, newest number first."""
+        ranked: list[int] = []
+        for event in reversed(self.history(space, HISTORY_KEEP)):
+            number = event.get("version")
+            activated = event.get("event") in ("deploy", "rollback")
+            if activated and isinstance(number, int) and number in numbers - set(ranked):
+                ranked.append(number)
+        rest = sorted(numbers.difference(ranked), reverse=True)
+        return ranked + rest
+
+    # -- history ---------------------------------------------------------------
+
+    def record(self, space: str, event: str, version: int | None, previous: int | None) -> None:
+        """Append an event to the space's history (`previous`: the version current
+        before it). Hold locked(): one writer at a time, so the trim loses nothing."""
+        path = self.space_dir(space) / "history.jsonl"
+        line = {"event": event, "version": version, "previous": previous, "at": time.time()}
+        try:
+            with open(path, "ab") as f:
+                f.write(json.dumps(line).encode() + b"\n")
+                size = f.tell()
+            # Lines are under 100 bytes: only a long history is read back to be trimmed.
+            if size > HISTORY_KEEP * 200:
+                lines = path.read_bytes().splitlines(keepends=True)
+                if len(lines) > 2 * HISTORY_KEEP:
+                    write_atomic(path, b"".join(lines[-HISTORY_KEEP:]))
+        except OSError as exc:
+            # After the change it records (`current` has moved): failing the change now
+            # would misreport it. A full disk costs a line of history, not the change.
+            log.warning("%s: could not record the %s in its history: %s", space, event, exc)
+
+    def history(self, space: str, limit: int) -> list[dict[str, object]]:
+        """The last `limit` events of the space's history, oldest first."""
+        try:
+            lines = (self.space_dir(space) / "history.jsonl").read_bytes().splitlines()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:  # unreadable: pruning then ranks by number alone
+            log.warning("%s: could not read its history: %s", space, exc)
+            return []
+        events = []
+        for line in lines[-limit:]:
+            with contextlib.suppress(ValueError):  # a line cut by a crash mid-append
+                events.append(json.loads(line))
+        return events
+
+    def kept(self, space: str) -> list[int]:
+        """The numbers of the versions on disk that a rollback may make current."""
+        versions = self.space_dir(space) / "versions"
+        try:
+            names = [p.name for p in versions.iterdir()]
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit() and f"{n}.json" in names)
+
+    def versions(self, space: str) -> list[dict[str, object]]:
+        """Each kept version's metadata, oldest first, with `current` marked."""
+        current = _current_number(self.space_dir(space))
+        found = []
+        for number in self.kept(space):
+            meta = self.meta(space, number)
+            if meta is not None:  # pruned since kept() looked
+                found.append(describe(meta, number, current))
+        return found
 
     # -- reading -------------------------------------------------------------
 
@@ -235,6 +355,55 @@ class Store:
             if meta is not None:
                 found[space] = {**meta, "pool": meta.get("pool", DEFAULT_POOL)}
         return found
+
+
+# -- versions and rollbacks, the same on a host and in a fleet ----------------------
+
+VERSION_FIELDS = ("sha256", "size", "entry", "kind", "import_ms", "deployed_at", "replaced")
+
+
+def describe(meta: dict[str, object], number: int, current: int | None) -> dict[str, object]:
+    """One version as the versions answer lists it."""
+    return {
+        "version": number,
+        **{key: meta.get(key) for key in VERSION_FIELDS},
+        "current": number == current,
+    }
+
+
+def rollback_target(
+    space: str, current: int, meta: dict[str, object], kept: list[int], asked: int | None
+) -> int:
+    """The version a rollback makes current: `asked`, or else the one the current
+    version replaced when it was deployed — so rollbacks without a number walk back
+    through the deploys (v3 -> v2 -> v1) instead of toggling between two versions. A
+    version deployed before `replaced` was recorded falls back to the newest kept one
+    below it. Raises ClientError 404, listing the kept versions, when there is none."""
+    what = f"{space} v{asked}"
+    if asked is None:
+        if "replaced" in meta:
+            replaced = meta["replaced"]
+            asked = replaced if isinstance(replaced, int) else None
+        else:
+            asked = max((n for n in kept if n < current), default=None)
+        if asked is None:
+            raise ClientError(
+                404,
+                f"{space} v{current} replaced no earlier version: name a kept one,"
+                ' {"version": N}',
+                space=space,
+                kept=kept,
+            )
+        what = f"{space} v{asked} (the version v{current} replaced)"
+    if asked not in kept:
+        raise ClientError(
+            404,
+            f"{what} is not kept (pruned, or never deployed): roll back to one of `kept`",
+            space=space,
+            version=asked,
+            kept=kept,
+        )
+    return asked
 
 
 # -- helpers -------------------------------------------------------------------

@@ -92,8 +92,9 @@ def slow_call(host: HostProcess, space: str, marker: Path) -> Iterator[list[http
 
 
 def test_a_draining_request_reads_its_version_while_newer_ones_are_deployed(host_factory, tmp_path):
-    """Five deploys while a request on v1 is in flight: v1's files stay until it ends."""
-    host = host_factory(workers=1)
+    """Five deploys while a request on v1 is in flight: v1's files stay until it ends,
+    though only 3 versions are kept."""
+    host = host_factory(workers=1, POLYSERVE_KEEP_VERSIONS="3")
     marker = tmp_path / "go"
     assert host.deploy("o/lazy", lazy_space("v1", marker), "s.tar").status_code == 200
     versions = host.data_dir / "spaces" / "o" / "lazy" / "versions"

@@ -11,13 +11,15 @@ import pytest
 
 from polyserve.errors import ClientError
 from polyserve.names import parse_space
-from polyserve.store import KEEP_VERSIONS, Store
+from polyserve.store import Store, rollback_target
 from tests.helpers import make_tar
+
+KEEP_VERSIONS = 3
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
-    return Store(tmp_path / "data", max_spaces=4)
+    return Store(tmp_path / "data", max_spaces=4, keep_versions=KEEP_VERSIONS)
 
 
 def stage(store: Store, content: bytes, filename: str = "space.tar"):
@@ -265,3 +267,142 @@ def test_a_full_table_hands_over_a_deleted_spaces_slot_once_it_is_quiet(store):
     with pytest.raises(ClientError) as err:  # s1 never became quiet: no slot is left
         publish(store, "o/another", {"main.py": ""})
     assert err.value.status == 507
+
+
+# -- history, keeping and rollbacks ----------------------------------------------------
+
+
+def on_disk(store: Store, space: str) -> list[int]:
+    versions = store.space_dir(space) / "versions"
+    return sorted(int(p.name) for p in versions.iterdir() if p.is_dir())
+
+
+def roll_back(store: Store, space: str, asked: int | None = None) -> tuple[int, int]:
+    with store.locked():
+        _, number, previous, _ = store.reactivate(space, asked)
+        store.prune(space, oldest_held=None)
+    return number, previous
+
+
+def test_the_history_records_deploys_rollbacks_releases_and_deletes_in_order(store):
+    for i in range(3):
+        publish(store, "o/s", {"main.py": f"A = {i}\n"})
+    assert roll_back(store, "o/s") == (2, 3)
+    with store.locked():
+        store.record("o/s", "release", 2, 2)
+        store.delete("o/s")
+    events = [(e["event"], e["version"], e["previous"]) for e in store.history("o/s", 100)]
+    assert events == [
+        ("deploy", 1, None),
+        ("deploy", 2, 1),
+        ("deploy", 3, 2),
+        ("rollback", 2, 3),
+        ("release", 2, 2),
+        ("delete", None, 2),
+    ]
+    times = [e["at"] for e in store.history("o/s", 100)]
+    assert times == sorted(times)
+    assert [e["event"] for e in store.history("o/s", 2)] == ["release", "delete"]
+
+
+def test_each_version_remembers_what_it_replaced(store):
+    publish(store, "o/s", {"main.py": ""})
+    publish(store, "o/s", {"main.py": "A = 1\n"})
+    versions = store.versions("o/s")
+    assert [(v["version"], v["replaced"], v["current"]) for v in versions] == [
+        (1, None, False),
+        (2, 1, True),
+    ]
+    assert {"sha256", "size", "entry", "kind", "import_ms", "deployed_at"} <= set(versions[0])
+
+
+def test_rollbacks_without_a_number_walk_back_through_the_deploys(store):
+    """v3 -> v2 -> v1, not v3 -> v2 -> v3: each goes to what the current one replaced."""
+    for i in range(3):
+        publish(store, "o/s", {"main.py": f"A = {i}\n"})
+    assert roll_back(store, "o/s") == (2, 3)
+    assert roll_back(store, "o/s") == (1, 2)
+    with pytest.raises(ClientError) as err:
+        roll_back(store, "o/s")
+    assert err.value.status == 404 and "replaced no earlier version" in err.value.error
+    assert err.value.details["kept"] == [1, 2, 3]
+    assert store.current("o/s").number == 1
+
+
+def test_a_rollback_to_a_pruned_or_unknown_version_lists_the_kept_ones(store):
+    for i in range(KEEP_VERSIONS + 2):
+        publish(store, "o/s", {"main.py": f"A = {i}\n"})
+    kept = on_disk(store, "o/s")
+    assert kept == [3, 4, 5]
+    for asked in (1, 99):
+        with pytest.raises(ClientError) as err:
+            roll_back(store, "o/s", asked)
+        assert err.value.status == 404
+        assert err.value.details == {"space": "o/s", "version": asked, "kept": kept}
+    assert store.current("o/s").number == 5  # nothing moved
+
+
+def test_a_rollback_of_a_deleted_space_is_refused(store):
+    publish(store, "o/s", {"main.py": ""})
+    publish(store, "o/s", {"main.py": "A = 1\n"})
+    with store.locked():
+        store.delete("o/s")
+    with pytest.raises(ClientError, match="not deployed") as err:
+        roll_back(store, "o/s", 1)
+    assert err.value.status == 404
+
+
+def test_pruning_keeps_the_versions_made_current_most_recently(store):
+    """Keeping ranks by when a version was last made current, not by its number: after
+    a rollback to v1, deploying v4 and v5 keeps v1 (rolled back to) over v2 and v3."""
+    for i in range(3):
+        publish(store, "o/s", {"main.py": f"A = {i}\n"})
+    roll_back(store, "o/s", 1)
+    publish(store, "o/s", {"main.py": "A = 4\n"})
+    publish(store, "o/s", {"main.py": "A = 5\n"})
+    assert on_disk(store, "o/s") == [1, 4, 5]
+    assert store.kept("o/s") == [1, 4, 5]
+    assert roll_back(store, "o/s") == (4, 5)  # v5 replaced v4
+    assert roll_back(store, "o/s") == (1, 4)  # and v4 replaced v1, the rollback's target
+
+
+def test_a_data_directory_without_history_keeps_the_newest_numbers(store):
+    for i in range(KEEP_VERSIONS):
+        publish(store, "o/s", {"main.py": f"A = {i}\n"})
+    (store.space_dir("o/s") / "history.jsonl").unlink()  # as written before histories
+    publish(store, "o/s", {"main.py": "A = 9\n"})
+    assert on_disk(store, "o/s") == [2, 3, 4]
+
+
+def test_a_long_history_is_trimmed_and_a_torn_line_is_skipped(store, monkeypatch):
+    import polyserve.store as store_mod
+
+    monkeypatch.setattr(store_mod, "HISTORY_KEEP", 5)
+    publish(store, "o/s", {"main.py": ""})
+    with store.locked():
+        for _ in range(200):
+            store.record("o/s", "release", 1, 1)
+    path = store.space_dir("o/s") / "history.jsonl"
+    assert len(path.read_bytes().splitlines()) <= 2 * 5 * 200 // 50
+    with path.open("ab") as f:
+        f.write(b'{"event": "depl')  # a crash mid-append
+    assert store.history("o/s", 3)[-1]["event"] == "release"
+
+
+def test_rollback_target_without_replaced_falls_back_to_the_newest_lower_kept_one():
+    assert rollback_target("o/s", 5, {}, [2, 3, 5], None) == 3
+    with pytest.raises(ClientError):
+        rollback_target("o/s", 2, {}, [2, 3, 5], None)
+    assert rollback_target("o/s", 5, {"replaced": 2}, [2, 3, 5], None) == 2
+    assert rollback_target("o/s", 5, {"replaced": None}, [2, 3, 5], 3) == 3
+
+
+def test_a_history_that_cannot_be_written_does_not_fail_the_change(store, caplog):
+    """The event is recorded after `current` moved: the change stands, a warning says so."""
+    publish(store, "o/s", {"main.py": ""})
+    path = store.space_dir("o/s") / "history.jsonl"
+    path.unlink()
+    path.mkdir()  # appending to it now fails, as a full disk would
+    assert publish(store, "o/s", {"main.py": "A = 1\n"}) == (0, 2)
+    assert store.current("o/s").number == 2
+    assert "could not record the deploy" in caplog.text

@@ -16,6 +16,7 @@ from polyserve.errors import ClientError
 from polyserve.fleet.schema import CHANGE_LOCK, migrate
 from polyserve.meter import TOTAL_NAMES
 from polyserve.names import DEFAULT_POOL
+from polyserve.store import describe, rollback_target
 
 CHANNEL = "polyserve_changes"
 CONNECT_TIMEOUT_S = 5
@@ -104,6 +105,10 @@ class FleetDB:
             conn.execute(
                 "INSERT INTO polyserve_spaces (name) VALUES (%s) ON CONFLICT DO NOTHING", (space,)
             )
+            # What this version replaces: a rollback without a number goes back to it.
+            before = conn.execute(
+                "SELECT current_version FROM polyserve_spaces WHERE name = %s", (space,)
+            ).fetchone()
             row = conn.execute(
                 "UPDATE polyserve_spaces SET last_version = last_version + 1,"
                 " current_version = last_version + 1 WHERE name = %s RETURNING last_version",
@@ -111,12 +116,77 @@ class FleetDB:
             ).fetchone()
             assert row is not None
             number = row[0]
+            meta = {**meta, "version": number, "replaced": before[0] if before else None}
             conn.execute(
                 "INSERT INTO polyserve_versions (space, number, sha256, meta, data)"
                 " VALUES (%s, %s, %s, %s, %s)",
-                (space, number, sha256, Jsonb({**meta, "version": number}), data),
+                (space, number, sha256, Jsonb(meta), data),
             )
             return _log(conn, space, "deploy", number)
+
+    def rollback(self, space: str, asked: int | None) -> tuple[Change, int, dict[str, Any]]:
+        """Make a stored version current again, logged as a deploy of that (older)
+        number: every follower applies it as it applies a deploy, fetching the bytes
+        it no longer has. Returns (the change, the version it replaced, its metadata);
+        ClientError 404 when the space is not deployed or the fleet stores no such
+        version (the error lists the stored ones)."""
+        with self._changing() as conn:
+            row = conn.execute(
+                "SELECT s.current_version, v.meta FROM polyserve_spaces s"
+                " JOIN polyserve_versions v ON v.space = s.name AND v.number = s.current_version"
+                " WHERE s.name = %s",
+                (space,),
+            ).fetchone()
+            if row is None:
+                raise ClientError(
+                    404, f"space {space} is not deployed: deploy it, then roll back", space=space
+                )
+            current, current_meta = row
+            stored = conn.execute(
+                "SELECT number, meta FROM polyserve_versions WHERE space = %s ORDER BY number",
+                (space,),
+            ).fetchall()
+            metas = dict(stored)
+            number = rollback_target(space, current, current_meta, list(metas), asked)
+            conn.execute(
+                "UPDATE polyserve_spaces SET current_version = %s WHERE name = %s",
+                (number, space),
+            )
+            return _log(conn, space, "deploy", number), current, metas[number]
+
+    def versions(
+        self, space: str, limit: int
+    ) -> tuple[int | None, list[dict[str, Any]], list[dict[str, Any]]]:
+        """(The current version, every stored version's metadata, the last `limit`
+        events of the space's history) as the fleet has them, in one snapshot. The
+        history is the change log: a deploy of a number deployed before is a rollback."""
+        with self.session() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            row = conn.execute(
+                "SELECT current_version FROM polyserve_spaces WHERE name = %s", (space,)
+            ).fetchone()
+            current = row[0] if row else None
+            stored = conn.execute(
+                "SELECT number, meta FROM polyserve_versions WHERE space = %s ORDER BY number",
+                (space,),
+            ).fetchall()
+            changes = conn.execute(
+                "SELECT kind, version, extract(epoch FROM at)::float8 FROM polyserve_changes"
+                " WHERE space = %s ORDER BY id",
+                (space,),
+            ).fetchall()
+        versions = [describe(meta, number, current) for number, meta in stored]
+        history: list[dict[str, Any]] = []
+        deployed: set[int] = set()
+        now: int | None = None  # the version current after each change, replayed
+        for kind, number, at in changes:
+            event = kind
+            if kind == "deploy":
+                event = "rollback" if number in deployed else "deploy"
+                deployed.add(number)
+            history.append({"event": event, "version": number, "previous": now, "at": at})
+            now = None if kind == "delete" else number
+        return current, versions, history[-limit:]
 
     def delete(self, space: str) -> Change | None:
         """Undeploy everywhere; None when the space is not deployed."""

@@ -174,10 +174,19 @@ class Follower:
             stored = self.db.fetch(space, change.version, self.settings.pool)
             if stored is None:
                 return  # gone from the fleet store: a later change supersedes it
-            if stored.data is not None:
+            if stored.data is None:  # another pool's: a pointer only
+                with store.locked():
+                    self._bump(space, store.point(space, change.version, stored.meta))
+                return
+            files = store.space_dir(space) / "versions" / str(change.version)
+            while True:
                 install(store, space, stored, self.settings.max_unpacked_mb << 20)
-            with store.locked():
-                self._bump(space, store.point(space, change.version, stored.meta))
+                with store.locked():
+                    # An old version (a rollback) may be pruned between its install and
+                    # this lock: install it again. Once current, nothing prunes it.
+                    if files.is_dir():
+                        self._bump(space, store.point(space, change.version, stored.meta))
+                        break
         elif change.kind == "delete":
             with store.locked():
                 deleted = store.delete(space)
@@ -242,7 +251,7 @@ def main() -> None:
     # Leave with the master, even one killed with -9 (the kernel sends SIGTERM).
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     settings = load()
-    store = Store(settings.data_dir, settings.max_spaces)
+    store = Store(settings.data_dir, settings.max_spaces, settings.keep_versions)
     table = Table.attach(segment_name(str(store.root)))
     if table is None or os.getppid() == 1:
         sys.exit("polyserve follower: no master (its table is gone)")
