@@ -299,7 +299,7 @@ def _refused_form(text: str) -> str:
         return "URLs"
     if text.startswith((".", "/", "~")) or "/" in text.split(";", 1)[0].split("@", 1)[0]:
         return "local paths"
-    if lowered.endswith((".whl", ".tar.gz", ".zip", ".tar.bz2")):
+    if "@" not in text and lowered.endswith((".whl", ".tar.gz", ".zip", ".tar.bz2")):
         return "archive files"
     return ""
 

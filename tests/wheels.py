@@ -45,7 +45,7 @@ def wheel(
     return path
 
 
-def testpkg(directory: Path, version: str) -> Path:
+def make_testpkg(directory: Path, version: str) -> Path:
     """polyserve-testpkg `version`: a package whose modules import each other by their
     real names, and which reads its own version through importlib.metadata."""
     init = (
@@ -94,8 +94,8 @@ def failing_sdist(directory: Path, dist: str = "polyserve-badbuild", version: st
 def wheelhouse(directory: Path) -> Path:
     """The find-links directory the dependency tests install from."""
     directory.mkdir(parents=True, exist_ok=True)
-    testpkg(directory, "1.0")
-    testpkg(directory, "2.0")
+    make_testpkg(directory, "1.0")
+    make_testpkg(directory, "2.0")
     # Depends on a numpy no host has (before 1.0): a conflict found only after resolution.
     wheel(directory, "polyserve-oldnumpy", "1.0", {"polyserve_oldnumpy.py": ""}, ("numpy<1",))
     # Ships a .pth file, which would run at every interpreter start.
