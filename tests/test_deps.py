@@ -23,7 +23,7 @@ from polyserve import deps, loader, settings
 from polyserve.app import create_app
 from polyserve.errors import ClientError
 from tests.helpers import make_tar
-from tests.wheels import TESTPKG, make_testpkg, wheel, wheelhouse
+from tests.wheels import TESTPKG, compiled_wheel, make_testpkg, wheel, wheelhouse
 
 NUMPY = importlib.metadata.version("numpy")
 USES_TESTPKG = (
@@ -451,3 +451,61 @@ def test_testpkg_wheels_carry_their_version(tmp_path):
     for version in ("1.0", "2.0"):
         with zipfile.ZipFile(make_testpkg(tmp_path, version)) as z:
             assert f"__version__ = '{version}'" in z.read("polyserve_testpkg/__init__.py").decode()
+
+
+# -- compiled extensions ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("compiled")
+    if compiled_wheel(directory, "polyserve-ctest") is None:
+        pytest.skip("no C compiler or Python headers: apt-get install gcc python3-dev")
+    compiled_wheel(directory, "polyserve-cimport", imports_itself=True)
+    return directory
+
+
+USES_CTEST = "from polyserve_ctest import _core\ndef handle(r):\n    return _core.inits()\n"
+
+
+def test_a_compiled_extension_file_is_initialised_once_and_shared(tmp_path, compiled):
+    """Two spaces with one set, and a re-import after a release: one initialisation of
+    the library, one module; the Python package around it is each version's own."""
+    s = offline(tmp_path / "data", compiled)
+    imported = []
+    for n, space in enumerate(("o/a", "o/b", "o/a")):
+        root = space_dir(tmp_path / str(n), {"main.py": USES_CTEST})
+        (root / "requirements.txt").write_text("polyserve-ctest\n")
+        installed = install(deps.read(root, s), s)
+        assert any(path.endswith(".so") for path in json.loads(
+            (installed.site.parent / "set.json").read_text())["compiled"])  # fmt: skip
+        imported.append(loader.import_version(space, n + 1, root, "main.py", deps=installed.site))
+        if n == 1:
+            loader.forget(imported[0].package)  # as an idle release does
+    try:
+        assert [i.module._core.inits() for i in imported] == [1, 1, 1]
+        assert imported[0].module._core is imported[1].module._core is imported[2].module._core
+        packages = [sys.modules[f"{i.package}.polyserve_ctest"] for i in imported[1:]]
+        assert packages[0] is not packages[1]
+    finally:
+        for i in imported:
+            loader.forget(i.package)
+
+
+def test_an_extension_importing_its_own_package_by_name_is_a_422(inproc_compiled):
+    c, _ = inproc_compiled
+    r = deploy(
+        c,
+        "o/s",
+        {"main.py": "import polyserve_cimport\n" + V1, "requirements.txt": "polyserve-cimport\n"},
+    )
+    assert r.status_code == 422 and "polyserve_cimport" in r.json()["error"], r.text
+    assert c.get("/s/o/s/").text == "v1"
+
+
+@pytest.fixture
+def inproc_compiled(tmp_path, compiled) -> Iterator[tuple[TestClient, Path]]:
+    data = tmp_path / "data"
+    with TestClient(create_app(offline(data, compiled)), client=("127.0.0.1", 1)) as c:
+        assert deploy(c, "o/s", {"main.py": V1}).status_code == 200
+        yield c, data

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -109,3 +110,57 @@ def wheelhouse(directory: Path) -> Path:
     wheel(directory, "polyserve-broken", "1.0", {"polyserve_broken.py": "raise ImportError('x')\n"})
     failing_sdist(directory)
     return directory
+
+
+# A single-phase C extension module: PyInit counts its calls in a static, which a second
+# initialisation of the same loaded library would show.
+_COUNTING_C = """
+#include <Python.h>
+static int inits = 0;
+static PyObject *count(PyObject *self, PyObject *args) { return PyLong_FromLong(inits); }
+static PyMethodDef methods[] = {{"inits", count, METH_NOARGS, NULL}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_core", NULL, -1, methods};
+PyMODINIT_FUNC PyInit__core(void) {
+    %(import)s
+    inits++;
+    return PyModule_Create(&def);
+}
+"""
+# What a Cython module's `from pkg import helper` does: an import by the real name, from C.
+_IMPORT_BY_NAME = (
+    'PyObject *m = PyImport_ImportModule("%s.helper"); if (m == NULL) return NULL; Py_DECREF(m);'
+)
+
+
+def compiled_wheel(directory: Path, dist: str, imports_itself: bool = False) -> Path | None:
+    """A wheel whose package holds a C extension `_core` built here with the system's C
+    compiler, or None where there is none (or no Python headers)."""
+    import shutil
+    import subprocess
+    import sysconfig
+    import tempfile
+
+    include = Path(sysconfig.get_paths()["include"])
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not (include / "Python.h").is_file():
+        return None
+    package = dist.replace("-", "_")
+    source = _COUNTING_C % {"import": _IMPORT_BY_NAME % package if imports_itself else ""}
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    with tempfile.TemporaryDirectory() as tmp:
+        c_file = Path(tmp) / "core.c"
+        c_file.write_text(source)
+        so = Path(tmp) / f"_core{suffix}"
+        subprocess.run(
+            [compiler, "-shared", "-fPIC", "-O0", f"-I{include}", str(c_file), "-o", str(so)],
+            check=True,
+            capture_output=True,
+        )
+        files: dict[str, str | bytes] = {
+            f"{package}/__init__.py": "from . import _core\n",
+            f"{package}/helper.py": "",
+            f"{package}/_core{suffix}": so.read_bytes(),
+        }
+    abi = sys.implementation.cache_tag.replace("cpython-", "cp")
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    return wheel(directory, dist, "1.0", files, tag=f"{abi}-{abi}-{platform}")
