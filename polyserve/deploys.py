@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, BinaryIO, TypeVar
 import anyio
 import anyio.to_thread
 
-from polyserve import deps, meter
+from polyserve import deps, meter, requirements
 from polyserve.broadcast import Broadcast
 from polyserve.errors import ClientError
 from polyserve.settings import Settings, scrubbed_environ
@@ -100,7 +100,7 @@ class Deploys:
     async def _dependencies(self, staged: Staged) -> deps.Installed | None:
         """The staged version's dependency set, installed (or found installed), or None
         when it declares none. Refusals are ClientErrors; nothing is published yet."""
-        requested = await self._run(deps.read, staged.dir, self.settings)
+        requested = await self._run(requirements.read, staged.dir, self.settings)
         if requested is None:
             return None
         if self.fleet is not None:

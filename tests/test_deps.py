@@ -19,7 +19,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from starlette.testclient import TestClient
 
-from polyserve import deps, loader, settings
+from polyserve import deps, loader, requirements, settings
 from polyserve.app import create_app
 from polyserve.errors import ClientError
 from tests.helpers import make_tar
@@ -60,8 +60,8 @@ def space_dir(tmp_path: Path, files: dict[str, str]) -> Path:
     return root
 
 
-def read(tmp_path: Path, files: dict[str, str], **env: str) -> deps.Requested | None:
-    return deps.read(space_dir(tmp_path, files), settings.load(env))
+def read(tmp_path: Path, files: dict[str, str], **env: str) -> requirements.Requested | None:
+    return requirements.read(space_dir(tmp_path, files), settings.load(env))
 
 
 # -- reading a declaration -------------------------------------------------------------
@@ -170,7 +170,7 @@ def test_an_extra_of_a_host_package_asks_for_what_the_extra_adds(tmp_path):
     is the host's too, or installed."""
     requested = read(tmp_path, {"requirements.txt": "starlette[full]\n"})
     extra = set()
-    for line in deps.host_packages()["starlette"].requires or ():
+    for line in requirements.host_packages()["starlette"].requires or ():
         r = Requirement(line)
         if r.marker and r.marker.evaluate({"extra": "full"}) and not r.marker.evaluate():
             extra.add(canonicalize_name(r.name))
@@ -178,13 +178,13 @@ def test_an_extra_of_a_host_package_asks_for_what_the_extra_adds(tmp_path):
     from_host = {pin.split("==")[0] for pin in requested.from_host}
     assert "starlette" in from_host
     assert extra and asked | (from_host - {"starlette"}) == extra
-    assert not asked & set(deps.host_packages())
+    assert not asked & set(requirements.host_packages())
 
 
 # -- isolation in one process -----------------------------------------------------------
 
 
-def install(requested: deps.Requested, s: settings.Settings) -> deps.Installed:
+def install(requested: requirements.Requested, s: settings.Settings) -> deps.Installed:
     return asyncio.run(deps.install(requested, Path(s.data_dir), s))
 
 
@@ -197,7 +197,7 @@ def test_two_versions_of_one_package_are_imported_side_by_side(tmp_path, wheels)
     for version in ("1.0", "2.0"):
         root = space_dir(tmp_path / version, {"main.py": USES_TESTPKG})
         (root / "requirements.txt").write_text(f"{TESTPKG}=={version}\n")
-        installed = install(deps.read(root, s), s)
+        installed = install(requirements.read(root, s), s)
         assert installed.packages == [f"{TESTPKG}=={version}"]
         imported[version] = loader.import_version(
             f"o/v{version[0]}", 1, root, "main.py", deps=installed.site
@@ -231,7 +231,7 @@ def test_a_versions_own_module_shadows_a_dependency_of_the_same_name(tmp_path, w
             "requirements.txt": f"{TESTPKG}==1.0\n",
         },
     )
-    installed = install(deps.read(root, s), s)
+    installed = install(requirements.read(root, s), s)
     space = loader.import_version("o/s", 1, root, "main.py", deps=installed.site)
     try:
         assert space.module.polyserve_testpkg.__version__ == "mine"
@@ -243,7 +243,7 @@ def test_a_space_without_dependencies_sees_only_the_hosts_metadata(tmp_path, whe
     s = offline(tmp_path / "data", wheels)
     with_deps = space_dir(tmp_path / "a", {"main.py": USES_TESTPKG})
     (with_deps / "requirements.txt").write_text(f"{TESTPKG}==2.0\n")
-    installed = install(deps.read(with_deps, s), s)
+    installed = install(requirements.read(with_deps, s), s)
     a = loader.import_version("o/a", 1, with_deps, "main.py", deps=installed.site)
     plain = space_dir(
         tmp_path / "b",
@@ -476,7 +476,7 @@ def test_a_compiled_extension_file_is_initialised_once_and_shared(tmp_path, comp
     for n, space in enumerate(("o/a", "o/b", "o/a")):
         root = space_dir(tmp_path / str(n), {"main.py": USES_CTEST})
         (root / "requirements.txt").write_text("polyserve-ctest\n")
-        installed = install(deps.read(root, s), s)
+        installed = install(requirements.read(root, s), s)
         assert any(path.endswith(".so") for path in json.loads(
             (installed.site.parent / "set.json").read_text())["compiled"])  # fmt: skip
         imported.append(loader.import_version(space, n + 1, root, "main.py", deps=installed.site))
