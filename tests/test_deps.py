@@ -509,3 +509,35 @@ def inproc_compiled(tmp_path, compiled) -> Iterator[tuple[TestClient, Path]]:
     with TestClient(create_app(offline(data, compiled)), client=("127.0.0.1", 1)) as c:
         assert deploy(c, "o/s", {"main.py": V1}).status_code == 200
         yield c, data
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs: a real ENOSPC. Needs the right to mount (root, as in CI here)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_while_installing_is_a_507_and_changes_nothing(tmp_path, tiny_disk):
+    wheels = tmp_path / "big-wheels"
+    wheels.mkdir()
+    wheel(wheels, "polyserve-big", "1.0", {"polyserve_big/blob.bin": os.urandom(6 << 20)})
+    data = tiny_disk / "data"
+    with TestClient(create_app(offline(data, wheels)), client=("127.0.0.1", 1)) as c:
+        assert deploy(c, "o/s", {"main.py": V1}).status_code == 200
+        r = deploy(c, "o/s", {"main.py": V1, "requirements.txt": "polyserve-big\n"})
+        assert r.status_code == 507 and "disk is full" in r.json()["error"], r.text
+        assert c.get("/s/o/s/").text == "v1"
+        assert sorted(p.name for p in (data / "spaces/o/s/versions").iterdir()) == ["1", "1.json"]
+        assert not list((data / "deps").glob("tmp/*")) and not list((data / "deps").glob("sets/*"))
