@@ -238,6 +238,11 @@ def import_version(
         n = next(_counter)
     package = "_ps_" + re.sub(r"\W", "_", space.replace("/", "__")) + f"__v{version}_{n}"
     root = Path(root)
+    if deps is not None and not Path(deps).is_dir():
+        raise LoadError(
+            f"the dependency set of {space} v{version} is missing from the data directory:"
+            " deploy the space again to install it"
+        )
     roots = [root] if deps is None else [root, Path(deps)]
     names = frozenset().union(*(_top_names(r) for r in roots))
     _finder.packages[package] = (roots, _space_builtins(package, names))

@@ -541,3 +541,9 @@ def test_a_full_disk_while_installing_is_a_507_and_changes_nothing(tmp_path, tin
         assert c.get("/s/o/s/").text == "v1"
         assert sorted(p.name for p in (data / "spaces/o/s/versions").iterdir()) == ["1", "1.json"]
         assert not list((data / "deps").glob("tmp/*")) and not list((data / "deps").glob("sets/*"))
+
+
+def test_a_version_whose_set_is_gone_fails_to_load_saying_so(tmp_path):
+    root = space_dir(tmp_path, {"main.py": V1})
+    with pytest.raises(loader.LoadError, match="dependency set of o/s v3 is missing"):
+        loader.import_version("o/s", 3, root, "main.py", deps=tmp_path / "no-such-set")
