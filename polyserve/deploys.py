@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, BinaryIO, TypeVar
 import anyio
 import anyio.to_thread
 
-from polyserve import meter
+from polyserve import deps, meter, requirements
 from polyserve.broadcast import Broadcast
 from polyserve.errors import ClientError
 from polyserve.names import parse_space
@@ -61,13 +61,17 @@ class Deploys:
         s = self.settings
         staged = await self._run(self.store.stage, upload, filename, s.max_unpacked_mb << 20)
         try:
+            installed = await self._dependencies(staged)
             checked = await validate(
                 staged.dir,
                 staged.entry,
                 s.import_timeout,
                 s.import_memory_mb,
                 env=scrubbed_environ(),
+                deps=installed.site if installed is not None else None,
             )
+            if installed is not None:
+                checked["dependencies"] = installed.answer()
             if self.fleet is None:
                 number = await self._run(self.publish, space, staged, checked)
             else:  # validated here; every host (this one too) applies it from the fleet
@@ -95,6 +99,23 @@ class Deploys:
             return 200, body
         status, body["hosts"] = await self.fleet.applied(change)
         return status, body
+
+    async def _dependencies(self, staged: Staged) -> deps.Installed | None:
+        """The staged version's dependency set, installed (or found installed), or None
+        when it declares none. Refusals are ClientErrors; nothing is published yet."""
+        requested = await self._run(requirements.read, staged.dir, self.settings)
+        if requested is None:
+            return None
+        if self.fleet is not None:
+            # Each host would have to install the set before it applies the version;
+            # until the follower does, refuse rather than publish what hosts cannot load.
+            raise ClientError(
+                422,
+                f"{requested.source} declares dependencies, which a fleet host cannot"
+                " install yet: deploy to a single host, or install them on every host",
+                source=requested.source,
+            )
+        return await deps.install(requested, self.store.root, self.settings)
 
     async def undeploy(self, space: str) -> tuple[int, dict[str, object]]:
         """Unpublish: requests then answer 404; the files go once nobody uses them."""

@@ -6,6 +6,13 @@ module of the version also gets its own ``__builtins__`` whose ``__import__`` ma
 top-level name that the version ships (``import helpers``) to the version's own module.
 Because a function looks builtins up through its module's globals, that holds for
 imports run lazily inside a handler at request time too, and costs other code nothing.
+
+A version with dependencies (polyserve/deps.py) has its installed set as a second
+directory of its package: the set's top-level names are mapped the same way, its modules
+get the same builtins, so each version imports its own copy of each pure-Python
+dependency, and `importlib.metadata` called from the version's code finds the set's
+distributions. Compiled extension modules are loaded once per file (see
+_SharedExtensionLoader).
 """
 
 from __future__ import annotations
@@ -69,11 +76,40 @@ class _SpaceLoader(importlib.machinery.SourceFileLoader):
         super().exec_module(module)
 
 
+# A C extension module cannot be initialised twice from one file: the dynamic linker
+# hands back the same library (by inode), whose static state is already set up, and many
+# modules (pybind11's, single-phase C ones) fail or misbehave on a second init. So every
+# version that imports the same file, under whatever package name, gets the one module.
+_extensions: dict[tuple[int, int], Any] = {}
+_extensions_lock = threading.Lock()
+
+
+class _SharedExtensionLoader(importlib.machinery.ExtensionFileLoader):
+    """Loads an extension module file once per process (by device and inode)."""
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        st = os.stat(self.path)
+        self.key = (st.st_dev, st.st_ino)
+        with _extensions_lock:
+            self.shared = _extensions.get(self.key)
+        if self.shared is not None:
+            return self.shared
+        return super().create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        if self.shared is not None:
+            return  # initialised already, under another version's name
+        super().exec_module(module)
+        with _extensions_lock:
+            _extensions.setdefault(self.key, module)
+
+
 class _SpaceFinder:
     """Finds the modules of registered version packages; registered once on sys.meta_path."""
 
     def __init__(self) -> None:
-        self.packages: dict[str, tuple[Path, dict[str, Any]]] = {}
+        # package -> (its directories: the version's, then its dependency set's; builtins)
+        self.packages: dict[str, tuple[list[Path], dict[str, Any]]] = {}
 
     def find_spec(
         self, fullname: str, path: Any = None, target: Any = None
@@ -82,22 +118,57 @@ class _SpaceFinder:
         found = self.packages.get(top)
         if found is None:
             return None
-        root, space_builtins = found
+        roots, space_builtins = found
         if not dot:  # the version package itself: a namespace over the version dir
             spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
-            spec.submodule_search_locations = [str(root)]
+            spec.submodule_search_locations = [str(root) for root in roots]
             return spec
         details: list[tuple[Any, list[str]]] = [
             (
                 partial(_SpaceLoader, space_builtins=space_builtins),
                 importlib.machinery.SOURCE_SUFFIXES,
             ),
-            (importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES),
+            (_SharedExtensionLoader, importlib.machinery.EXTENSION_SUFFIXES),
         ]
+        portions: list[str] = []
         for entry in path or ():
             module = importlib.machinery.FileFinder(entry, *details).find_spec(fullname, target)
-            if module is not None:
+            if module is not None and module.loader is not None:
                 return module
+            if module is not None:  # a directory without __init__.py: look further first
+                portions += module.submodule_search_locations or ()
+        if portions:  # as sys.path does: a namespace package only when nothing else matched
+            spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
+            spec.submodule_search_locations = portions
+            return spec
+        return None
+
+    def find_distributions(self, context: Any = None) -> Any:
+        """importlib.metadata's hook: for code of a version with dependencies, the
+        distributions of its set (before the host's, as they come first here)."""
+        from importlib.metadata import DistributionFinder, MetadataPathFinder
+
+        if context is not None and "path" in vars(context):
+            return iter(())  # an explicit path was asked for: only that
+        roots = self._caller_roots()
+        if roots is None or len(roots) < 2:
+            return iter(())
+        name = getattr(context, "name", None)
+        return MetadataPathFinder.find_distributions(
+            DistributionFinder.Context(name=name, path=[str(roots[1])])
+        )
+
+    def _caller_roots(self) -> list[Path] | None:
+        """The directories of the version whose code is asking, from the nearest frame
+        of one of its modules; None for the host's own code."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            name = frame.f_globals.get("__name__")
+            if isinstance(name, str) and name.startswith("_ps_"):
+                found = self.packages.get(name.partition(".")[0])
+                if found is not None:
+                    return found[0]
+            frame = frame.f_back  # type: ignore[assignment]
         return None
 
 
@@ -121,10 +192,11 @@ def _space_builtins(package: str, top_names: frozenset[str]) -> dict[str, Any]:
 
 
 def _top_names(root: Path) -> frozenset[str]:
-    """Module and package names at the top of a version: what `import x` may mean there."""
+    """Module and package names at the top of a version (or of its dependency set): what
+    `import x` may mean there."""
     names = set()
     for p in root.iterdir():
-        if p.is_dir() and p.name != "__pycache__":
+        if p.is_dir() and p.name.isidentifier() and p.name != "__pycache__":
             names.add(p.name)
         elif p.suffix == ".py" or any(
             p.name.endswith(s) for s in importlib.machinery.EXTENSION_SUFFIXES
@@ -152,15 +224,28 @@ class Imported:
 
 
 def import_version(
-    space: str, version: int, root: Path, entry: str, threads: int = DEFAULT_THREADS
+    space: str,
+    version: int,
+    root: Path,
+    entry: str,
+    threads: int = DEFAULT_THREADS,
+    deps: Path | None = None,
 ) -> Imported:
     """Import a version's entry module under a fresh package name (thread-safe); a sync
-    handle() gets `threads` worker threads at most."""
+    handle() gets `threads` worker threads at most. `deps` is its installed dependency
+    set: the version's own modules shadow it, as a script's directory shadows sys.path."""
     with _counter_lock:
         n = next(_counter)
     package = "_ps_" + re.sub(r"\W", "_", space.replace("/", "__")) + f"__v{version}_{n}"
     root = Path(root)
-    _finder.packages[package] = (root, _space_builtins(package, _top_names(root)))
+    if deps is not None and not Path(deps).is_dir():
+        raise LoadError(
+            f"the dependency set of {space} v{version} is missing from the data directory:"
+            " deploy the space again to install it"
+        )
+    roots = [root] if deps is None else [root, Path(deps)]
+    names = frozenset().union(*(_top_names(r) for r in roots))
+    _finder.packages[package] = (roots, _space_builtins(package, names))
     try:
         module = importlib.import_module(f"{package}.{entry.removesuffix('.py')}")
         kind, app = _find_callable(module, entry, threads)

@@ -94,6 +94,7 @@ SPEC: dict[str, Any] = {
                     "400": _error("the body is not a readable form"),
                     "413": _error("the upload or what it unpacks to is too large"),
                     "422": _error("the space name or the module is not acceptable, and why"),
+                    "424": _error("the package index did not answer for its dependencies"),
                     "507": _error("no room: the space table or the disk is full"),
                 },
             }
@@ -261,6 +262,11 @@ SPEC: dict[str, Any] = {
                     "pool": POOL_NAME,
                     "kind": {"enum": ["app", "wsgi", "handle"]},
                     "import_ms": {"type": "number"},
+                    "dependencies": {
+                        "type": "object",
+                        "description": "a tar's requirements.txt or polyserve.toml"
+                        " dependencies: the installed set (docs/dependencies.md)",
+                    },
                 },
             },
             "Current": {

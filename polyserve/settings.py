@@ -50,6 +50,25 @@ def pool_name(text: str) -> str:
     return text
 
 
+def flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be 1/true/yes/on or 0/false/no/off")
+
+
+def _directories(text: str) -> tuple[str, ...]:
+    return tuple(d for d in text.split(":") if d)
+
+
+def _index_url(text: str) -> str:
+    if not re.fullmatch(r"(https?|file)://\S+", text):
+        raise ValueError("must be an http(s):// or file:// URL of a package index (PEP 503)")
+    return text.rstrip("/")
+
+
 def _module_names(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     for name in names:
@@ -246,6 +265,38 @@ SETTINGS: tuple[Setting, ...] = (
         const(10.0),
         "Seconds a fleet deploy waits for every live host to apply it (then: 202).",
     ),
+    Setting(
+        "deps_index_url",
+        _index_url,
+        const(""),
+        "Package index (PEP 503 simple API) a space's dependencies are resolved from"
+        " (empty: uv's default, PyPI).",
+    ),
+    Setting(
+        "deps_find_links",
+        _directories,
+        const(()),
+        "Directories of wheels (colon-separated) searched for a space's dependencies too.",
+    ),
+    Setting(
+        "deps_offline",
+        flag,
+        const(False),
+        "Install a space's dependencies from POLYSERVE_DEPS_FIND_LINKS only, never an index.",
+        "0",
+    ),
+    Setting(
+        "deps_timeout",
+        positive_float,
+        const(120.0),
+        "Seconds a deploy may spend resolving, downloading and building a new dependency set.",
+    ),
+    Setting(
+        "deps_max_mb",
+        positive_int,
+        const(1024),
+        "Largest size (MiB) one installed dependency set may take on disk.",
+    ),
 )
 
 
@@ -276,6 +327,11 @@ class Settings:
     fleet_poll_s: float
     fleet_live_s: float
     deploy_wait_s: float
+    deps_index_url: str
+    deps_find_links: tuple[str, ...]
+    deps_offline: bool
+    deps_timeout: float
+    deps_max_mb: int
 
 
 def load(env: Mapping[str, str] | None = None) -> Settings:

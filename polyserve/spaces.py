@@ -205,6 +205,7 @@ class Registry:
                 version.dir,
                 version.entry,
                 self.space_threads,
+                version.deps,
                 limiter=self.host_limiter,
             )
             await loader.start(imported, self.start_timeout)

@@ -65,6 +65,7 @@ class Version:
     dir: Path
     entry: str
     pool: str = DEFAULT_POOL  # in a fleet, only a host of this pool imports it
+    deps: Path | None = None  # its installed dependency set (polyserve/deps.py), if any
 
 
 class Store:
@@ -337,7 +338,17 @@ class Store:
             return None
         # Versions published before pools existed say none: they are the default pool's.
         pool = str(meta.get("pool", DEFAULT_POOL))
-        return Version(space, number, sdir / "versions" / str(number), str(meta["entry"]), pool)
+        # The layout is polyserve/deps.py's (site_dir); not imported, to keep packaging off
+        # the request path.
+        declared = meta.get("dependencies")
+        deps = (
+            self.root / "deps" / "sets" / str(declared["set"]) / "site"
+            if isinstance(declared, dict)
+            else None
+        )
+        return Version(
+            space, number, sdir / "versions" / str(number), str(meta["entry"]), pool, deps
+        )
 
     def meta(self, space: str, number: int) -> dict[str, object] | None:
         try:

@@ -1,7 +1,7 @@
 """Import and start a staged version as a worker will, in a throwaway subprocess, before publish.
 
 The parent side is `validate()`. The child (`python -m polyserve.validate ROOT ENTRY
-MEMORY_MB TIMEOUT`) byte-compiles the version, then on an event loop like a worker's
+MEMORY_MB TIMEOUT [DEPS]`) byte-compiles the version, then on an event loop like a worker's
 imports its entry on a worker thread, runs the ASGI lifespan startup and shutdown, and
 writes one JSON line to its original stdout; tenant output is moved to stderr first.
 """
@@ -28,10 +28,16 @@ _CHUNK = 64 << 10
 
 
 async def validate(
-    root: Path, entry: str, timeout: float, memory_mb: int, env: Mapping[str, str] | None = None
+    root: Path,
+    entry: str,
+    timeout: float,
+    memory_mb: int,
+    env: Mapping[str, str] | None = None,
+    deps: Path | None = None,
 ) -> dict[str, object]:
     """Return {"kind", "import_ms"} or raise ClientError(422) saying what to fix. `env` is
-    the child's whole environment (the host passes one without its secrets)."""
+    the child's whole environment (the host passes one without its secrets); `deps` the
+    version's installed dependency set (polyserve/deps.py), imported as a worker will."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -40,6 +46,7 @@ async def validate(
         entry,
         str(memory_mb),
         str(timeout),
+        *([str(deps)] if deps is not None else []),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -115,7 +122,9 @@ def _kill_group(pid: int) -> None:
 # -- the child --------------------------------------------------------------------------
 
 
-async def _check(root: Path, entry: str, timeout: float) -> tuple[dict[str, object], object]:
+async def _check(
+    root: Path, entry: str, timeout: float, deps: Path | None = None
+) -> tuple[dict[str, object], object]:
     """What a worker does with a version: import on a worker thread, start, and stop.
     Returns the result line and, for a failure, what caused it."""
     import anyio.to_thread
@@ -128,7 +137,7 @@ async def _check(root: Path, entry: str, timeout: float) -> tuple[dict[str, obje
     started = time.perf_counter()
     try:
         imported = await anyio.to_thread.run_sync(
-            loader.import_version, "validate/space", 0, root, entry
+            loader.import_version, "validate/space", 0, root, entry, loader.DEFAULT_THREADS, deps
         )
         await loader.start(imported, timeout)
     except loader.LoadError as exc:
@@ -149,6 +158,7 @@ def _loop_factory() -> object:
 
 def main(argv: list[str]) -> None:
     root, entry, memory_mb, timeout = Path(argv[0]), argv[1], int(argv[2]), float(argv[3])
+    deps = Path(argv[4]) if len(argv) > 4 else None
     result_fd = os.dup(1)
     os.dup2(2, 1)  # tenant prints must not corrupt the result line
     limit = memory_mb << 20
@@ -159,7 +169,7 @@ def main(argv: list[str]) -> None:
     compileall.compile_dir(str(root), quiet=2, workers=1)
     # Not closed: closing would wait for threads and tasks the tenant left running.
     runner = asyncio.Runner(loop_factory=_loop_factory())  # type: ignore[arg-type]
-    result, cause = runner.run(_check(root, entry, timeout))
+    result, cause = runner.run(_check(root, entry, timeout, deps))
     if isinstance(cause, MemoryError):
         result["error"] = (
             f"import of {entry} exceeded the validator's {memory_mb} MiB"
