@@ -28,5 +28,6 @@ on_starting = _hooks.on_starting
 when_ready = _hooks.when_ready
 pre_fork = _hooks.pre_fork
 post_fork = _hooks.post_fork
+worker_exit = _hooks.worker_exit
 child_exit = _hooks.child_exit
 on_exit = _hooks.on_exit

@@ -265,6 +265,22 @@ def post_fork(server: Any, worker: Any) -> None:
     logger.propagate = False
 
 
+def worker_exit(server: Any, worker: Any) -> None:
+    """In the worker, last thing before it exits: exit now, with its status, without the
+    C-level exit handlers. Those belong to the master: a library the master loaded
+    before the fork (onnxruntime) destroys at exit a condition variable that a thread of
+    the master waits on — a thread the fork did not copy — and waits for it forever.
+    A forked child that exits with os._exit, as multiprocessing's do, never runs them."""
+    raised = sys.exc_info()[1]  # gunicorn calls this while the worker's exit propagates
+    code = raised.code if isinstance(raised, SystemExit) else 1
+    status = 0 if code is None else code if isinstance(code, int) else 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
 def child_exit(server: Any, worker: Any) -> None:
     """A worker is gone (any cause): its counts stay; close its open residency."""
     slot = getattr(worker, "polyserve_slot", None)

@@ -376,9 +376,10 @@ def forget_token(environ: MutableMapping[str, str]) -> None:
     """Replace a plaintext POLYSERVE_DEPLOY_TOKEN in environ by its SHA-256.
 
     On os.environ this unsets the C environment's variable too, so child processes and a
-    space's os.environ no longer hold it. /proc/self/environ still does: it shows the
-    environment block the process started with, which no one can rewrite. Only starting
-    the host with POLYSERVE_DEPLOY_TOKEN_SHA256 keeps the token out of it.
+    space's os.environ no longer hold it. /proc/self/environ shows the environment block
+    the process started with until gunicorn writes its process title over it
+    (setproctitle). Only starting the host with POLYSERVE_DEPLOY_TOKEN_SHA256 keeps the
+    token out of the host's processes altogether.
     """
     plain = environ.pop("POLYSERVE_DEPLOY_TOKEN", None)
     if plain:

@@ -276,8 +276,12 @@ import gc, os, subprocess
 from gunicorn.config import Config
 
 def handle(request):
-    # gunicorn's Config keeps a copy of the environment it started with (env_orig).
+    # gunicorn's Config keeps a copy of the environment it started with (env_orig). The
+    # master froze its heap before the fork (gc.freeze), which hides the objects it made
+    # from gc.get_objects(): let them back in for the search.
+    gc.unfreeze()
     configs = [o for o in gc.get_objects() if isinstance(o, Config)]
+    gc.freeze()
     with open("/proc/self/environ", "rb") as f:
         kernel = f.read().decode(errors="replace")
     return {
@@ -304,9 +308,11 @@ def test_a_space_does_not_see_the_plaintext_admin_token(host_factory):
         for copy in seen["env_orig"]:
             assert "POLYSERVE_DEPLOY_TOKEN" not in copy, when
         assert ADMIN not in repr([seen["environ"], seen["env_orig"], seen["child"]]), when
-        # The honest limit, as the README says: the kernel's copy of the environment the
-        # master started with cannot be rewritten; why the hash-only variable exists.
-        assert f"POLYSERVE_DEPLOY_TOKEN={ADMIN}" in seen["kernel"]
+        # The kernel's copy of the environment the master started with: setproctitle
+        # (gunicorn's proc_name) writes the process title over that block, so it no
+        # longer shows the token either (the README says what still can).
+        assert len(seen["kernel"]) > len(ADMIN), "the space read no environment block"
+        assert ADMIN not in seen["kernel"], when
 
     check("at start")
     # A HUP re-reads gunicorn.conf.py and the settings from the rewritten environment in
