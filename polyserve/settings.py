@@ -160,6 +160,20 @@ SETTINGS: tuple[Setting, ...] = (
         "Threads a space's sync handle() may use at once, per worker (its own limit).",
     ),
     Setting(
+        "log_kb",
+        positive_int,
+        const(1024),
+        "KiB of its newest log records each space keeps on disk, all workers together"
+        " (docs/logs.md).",
+    ),
+    Setting(
+        "log_rate",
+        positive_int,
+        const(100),
+        "Log records a second each worker keeps from one space, after a burst of ten"
+        " seconds' worth; the rest are dropped and counted.",
+    ),
+    Setting(
         "database_url",
         str,
         const(""),
@@ -219,6 +233,8 @@ class Settings:
     max_upload_mb: int
     max_unpacked_mb: int
     space_threads: int
+    log_kb: int
+    log_rate: int
     database_url: str
     host_id: str
     advertise_url: str

@@ -9,6 +9,7 @@ Layout under POLYSERVE_DATA_DIR::
     spaces/<owner>/<name>/current   symlink -> versions/<n>, replaced atomically
     spaces/<owner>/<name>/versions/<n>/       immutable files of version n
     spaces/<owner>/<name>/versions/<n>.json   its metadata
+    logs/<owner>/<name>/            the space's recent log records (polyserve.logstore)
 
 Published version directories are never written again; only ``current`` moves.
 """
@@ -61,6 +62,7 @@ class Store:
         self.max_spaces = max_spaces
         self.spaces_dir = self.root / "spaces"
         self.staging_dir = self.root / "staging"
+        self.logs_dir = self.root / "logs"
         for d in (self.spaces_dir, self.staging_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.slots = SlotLog(self.root / "slots.log", max_spaces)
@@ -166,8 +168,12 @@ class Store:
         return slot
 
     def delete(self, space: str) -> int | None:
-        """Undeploy: drop `current`; prune() removes the versions once nobody uses them.
-        Hold locked(); returns the slot, or None when the space is not deployed."""
+        """Undeploy: drop `current` and the space's logs; prune() removes the versions
+        once nobody uses them. Hold locked(); returns the slot, or None when the space is
+        not deployed."""
+        # Its logs go at once: a redeployed space starts a new log (records its draining
+        # requests write meanwhile are dropped: see LogStore.open).
+        shutil.rmtree(self.logs_dir / space, ignore_errors=True)
         try:
             os.unlink(self.space_dir(space) / "current")
         except FileNotFoundError:
