@@ -51,6 +51,7 @@ class LogStore:
 
     def __init__(self, root: Path, max_bytes: int) -> None:
         self.root = root
+        self._root = str(root)  # append() joins strings: pathlib costs more than its write
         # Two segments of half the bound each: one being written, one before it.
         self.segment_bytes = max(max_bytes // 2, 1)
 
@@ -71,7 +72,7 @@ class LogStore:
     def append(self, space: str, line: bytes) -> bool:
         """Append one record (a line ending in a newline). False when the space's log
         directory is gone: the space was deleted."""
-        path = self.dir(space) / CURRENT
+        path = os.path.join(self._root, space, CURRENT)
         for _ in range(8):  # each pass follows one rotation; more means a bug, not a race
             try:
                 fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)  # read: its header
@@ -260,7 +261,7 @@ def _header(fd: int) -> int:
         raise ValueError("not a log segment") from None
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def _same_file(fd: int, path: str) -> bool:
     try:
         return os.stat(path).st_ino == os.fstat(fd).st_ino
     except FileNotFoundError:

@@ -31,6 +31,7 @@ CURRENT: ContextVar[Tag | None] = ContextVar("polyserve_space", default=None)
 MESSAGE_MAX = 8192  # characters of one record's message; longer ones lose their middle
 BURST_SECONDS = 10  # a space may log this many seconds' worth of its rate at once
 HOST = logging.getLogger("polyserve.space")  # the echo: gunicorn's error log in a worker
+_ECHO = "[space %s v%d pid %d] %s"
 
 _busy = threading.local()  # set while a record is written: what that writes is the host's
 _capture: Capture | None = None
@@ -181,7 +182,11 @@ class Tag:
                 if not channel.failing:
                     channel.failing = True
                     HOST.warning("the log of space %s cannot be written: %s", self.space, exc)
-        HOST.log(level, "[space %s v%d pid %d] %s", self.space, self.version, pid, message)
+        if HOST.isEnabledFor(level):
+            # makeRecord and handle: what HOST.log does, less its search of the stack for
+            # a caller that would only ever be this line.
+            args = (self.space, self.version, pid, message)
+            HOST.handle(HOST.makeRecord(HOST.name, level, __file__, 0, _ECHO, args, None))
 
 
 def _bounded(message: str) -> str:
