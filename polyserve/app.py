@@ -23,7 +23,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from polyserve import hooks, meter, openapi, prometheus, spacelog
+from polyserve import dashboard, hooks, meter, openapi, prometheus, spacelog
 from polyserve import settings as settings_mod
 from polyserve.auth import Auth
 from polyserve.broadcast import SIGNAL, Broadcast
@@ -143,6 +143,7 @@ class ControlPlane:
             Route("/_polyserve/spaces/{owner}/{name}", self.delete, methods=["DELETE"]),
             Route("/_polyserve/spaces/{owner}/{name}/release", self.release, methods=["POST"]),
             Route("/_polyserve/spaces/{owner}/{name}/logs", self.logs, methods=["GET"]),
+            Route("/_polyserve/", self.dashboard, methods=["GET"]),
             Route("/_polyserve/usage", self.usage, methods=["GET"]),
             Route("/_polyserve/health", self.health, methods=["GET"]),
             Route("/_polyserve/fleet", self.fleet, methods=["GET"]),
@@ -213,6 +214,9 @@ class ControlPlane:
         return Response(
             orjson.dumps({"records": records, "next": after}), media_type="application/json"
         )
+
+    async def dashboard(self, request: Request) -> Response:
+        return dashboard.response()
 
     def _space_to_write(self, request: Request) -> str:
         space = f"{request.path_params['owner']}/{request.path_params['name']}"

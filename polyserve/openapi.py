@@ -127,6 +127,17 @@ SPEC: dict[str, Any] = {
                 },
             }
         },
+        "/_polyserve/": {
+            "get": {
+                "summary": "The dashboard: a self-contained page over this API",
+                "responses": {
+                    "200": {
+                        "description": "the page",
+                        "content": {"text/html": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
         "/_polyserve/usage": {
             "get": {
                 "summary": "Usage per space and for the host",
