@@ -227,8 +227,7 @@ def _read_segment(
     while (newline := data.find(b"\n", offset)) >= 0:
         record = _parse(data[offset:newline])
         if record is not None:
-            record["seq"] = seg.base + start + offset
-            records.append(record)
+            records.append({"seq": seg.base + start + offset, **record})
         offset = newline + 1
         if offset >= limit:
             return seg.base + start + offset, True

@@ -137,7 +137,8 @@ def test_the_dashboard_shows_real_figures_logs_and_updates_without_a_reload(
     beta.locator("button.toggle").click()
     expect(beta.locator(".lines")).to_contain_text("beta v2 served", timeout=WAIT_MS)
     history = beta.locator("section.history")
-    if h.get("/_polyserve/spaces/lee101/beta/versions").status_code == 200:
+    versions = h.get("/_polyserve/spaces/lee101/beta/versions").status_code == 200
+    if versions:
         expect(history).to_be_visible(timeout=WAIT_MS)
         expect(history.locator("tr.current")).to_contain_text("v2")
         expect(history.locator("button", has_text="Roll back to v1")).to_be_visible()
@@ -149,6 +150,13 @@ def test_the_dashboard_shows_real_figures_logs_and_updates_without_a_reload(
     assert shot.stat().st_size > 10_000
     if SCREENSHOT:
         shutil.copyfile(shot, SCREENSHOT)
+    if versions:  # the button rolls back, on a second click that confirms it
+        history.locator("button", has_text="Roll back to v1").click()
+        history.locator("button", has_text="Confirm: roll back to v1").click()
+        expect(beta.locator("td.version")).to_have_text("v1", timeout=WAIT_MS)
+        expect(history.locator("p.note")).to_have_text("Rolled back to v1.")
+        assert h.get("/s/lee101/beta/").status_code == 200
+        expect(beta.locator(".lines")).to_contain_text("beta v1 served", timeout=WAIT_MS)
     assert problems == []
     page.close()
 
