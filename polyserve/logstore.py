@@ -34,7 +34,6 @@ from typing import Any
 import orjson
 
 CURRENT = "current.log"
-READ_MAX = 1 << 20  # bytes of records one answer reads at most: the rest is the next page
 RECORD_SLACK = 64 << 10  # read past the limit, to finish the last record (under 40 KiB)
 _HEADER_MAX = 64
 
@@ -54,6 +53,9 @@ class LogStore:
         self._root = str(root)  # append() joins strings: pathlib costs more than its write
         # Two segments of half the bound each: one being written, one before it.
         self.segment_bytes = max(max_bytes // 2, 1)
+        # What one read may return: the whole log (the bound, plus the records that
+        # crossed it), so that reading from 0 gives everything kept in one answer.
+        self.read_max = max_bytes + RECORD_SLACK
 
     def dir(self, space: str) -> Path:
         return self.root / space  # a parsed owner/name: two safe path parts
@@ -142,13 +144,15 @@ class LogStore:
     # -- reading ------------------------------------------------------------------
 
     def read(
-        self, space: str, since: int, limit: int = READ_MAX
+        self, space: str, since: int, limit: int | None = None
     ) -> tuple[list[dict[str, Any]], int]:
         """Records at or after position `since`, oldest first, and the position after the
-        last one (what to pass as `since` next). At most about `limit` bytes of records:
-        a client pages by passing the position back. A `since` before the oldest record
+        last one (what to pass as `since` next). At most about `limit` bytes of records
+        (default: the whole log); a client pages by passing the position back. A `since` before the oldest record
         kept starts at it; one past the end (a log that was removed and started again)
         answers nothing, and the end."""
+        if limit is None:
+            limit = self.read_max
         segments = self._segments(space)
         try:
             if not segments:

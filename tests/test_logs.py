@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -205,6 +207,18 @@ app = Starlette(routes=[Route("/", home)], lifespan=lifespan)
     record = next(r for r in records(host, "t/flaky") if r["level"] == "ERROR")
     assert record["message"].startswith("Exception in the import of main.py\nTraceback")
     assert "RuntimeError: no model file in this worker" in record["message"]
+
+
+def test_records_outlive_the_worker_that_wrote_them(host):
+    deploy(host, "t/dies", ASYNC_SPACE.format(name="dies"))
+    pid = host.get("/s/t/dies/", params={"n": 1}).json()["pid"]
+    os.kill(pid, signal.SIGKILL)
+    until(
+        lambda: pid not in host.worker_pids() and len(host.worker_pids()) == host.workers,
+        what="gunicorn to replace the killed worker",
+    )
+    mine = {r["message"] for r in records(host, "t/dies") if r["worker"] == pid}
+    assert mine >= {"dies logging 1", "dies print 1", "dies stderr 1"}
 
 
 def test_a_deleted_spaces_logs_are_gone(host, tmp_path):
