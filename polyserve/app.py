@@ -23,7 +23,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from polyserve import hooks, meter, openapi, prometheus
+from polyserve import dashboard, hooks, meter, openapi, prometheus, spacelog
 from polyserve import settings as settings_mod
 from polyserve.auth import Auth
 from polyserve.broadcast import SIGNAL, Broadcast
@@ -31,6 +31,7 @@ from polyserve.deadlines import Deadlines
 from polyserve.deploys import Deploys, rollback_request
 from polyserve.dispatch import Dispatch, answer
 from polyserve.errors import ClientError
+from polyserve.logstore import LogStore
 from polyserve.meter import CELLS, Meter
 from polyserve.shm import Table
 from polyserve.spaces import Registry
@@ -53,6 +54,7 @@ class Host:
     registry: Registry
     dispatch: Dispatch
     deploys: Deploys
+    logs: LogStore
 
 
 @contextlib.asynccontextmanager
@@ -63,7 +65,12 @@ async def running_host(
     s = settings
     store = Store(s.data_dir, s.max_spaces, s.keep_versions)
     # Without the gunicorn master (in-process tests), a private one-row table.
-    table, row = hooks.inherited() or (Table.anonymous(1, s.max_spaces, CELLS), 0)
+    inherited = hooks.inherited()
+    table, row = inherited or (Table.anonymous(1, s.max_spaces, CELLS), 0)
+    logs = LogStore(store.logs_dir, s.log_kb << 10)
+    # What spaces print and log, from a worker only: the capture replaces this process's
+    # sys.stdout, sys.stderr and a root handler, which in-process tests' runners own.
+    capture = spacelog.install(logs, s.log_rate) if inherited is not None else None
     broadcast, usage = Broadcast(table, row), Meter(table, row)
     # Host work (imports, staging, publishing) gets threads of its own, which no tenant
     # can exhaust: sync handle()s have per-space limiters, and tenants' ASGI apps share
@@ -98,6 +105,7 @@ async def running_host(
         registry=registry,
         dispatch=Dispatch(registry, usage, deadlines, pools),
         deploys=Deploys(s, store, broadcast, table, threads, registry.refresh, fleet),
+        logs=logs,
     )
     # Off the main thread (an in-process test client) there is no signal handler:
     # requests still read the generation word, which alone keeps the contract.
@@ -119,6 +127,8 @@ async def running_host(
         await registry.close()
         if fleet is not None:
             fleet.db.close()
+        if capture is not None:  # last: the spaces' lifespan shutdowns above may log
+            spacelog.uninstall(capture)
 
 
 class ControlPlane:
@@ -138,6 +148,8 @@ class ControlPlane:
             Route("/_polyserve/spaces/{owner}/{name}/release", self.release, methods=["POST"]),
             Route("/_polyserve/spaces/{owner}/{name}/versions", self.versions, methods=["GET"]),
             Route("/_polyserve/spaces/{owner}/{name}/rollback", self.rollback, methods=["POST"]),
+            Route("/_polyserve/spaces/{owner}/{name}/logs", self.logs, methods=["GET"]),
+            Route("/_polyserve/", self.dashboard, methods=["GET"]),
             Route("/_polyserve/usage", self.usage, methods=["GET"]),
             Route("/_polyserve/health", self.health, methods=["GET"]),
             Route("/_polyserve/fleet", self.fleet, methods=["GET"]),
@@ -202,6 +214,30 @@ class ControlPlane:
             raise ClientError(413, 'a rollback\'s body is {"version": N}, or nothing') from None
         status, answer = await self.running.deploys.rollback(space, rollback_request(body))
         return JSONResponse(answer, status_code=status)
+
+    async def logs(self, request: Request) -> Response:
+        """A space's recent records from every worker, oldest first; `since` is the
+        `next` of an earlier answer. A space's logs may say what its code and its
+        callers hold, so reading them takes the right to deploy it."""
+        space = self._space_to_write(request)
+        since = _cursor(request.query_params.get("since", "0"))
+        host = self.running
+
+        def read() -> tuple[list[dict[str, object]], int] | None:
+            if host.store.current(space) is None:
+                return None
+            return host.logs.read(space, since)
+
+        found = await anyio.to_thread.run_sync(read, limiter=host.deploys.threads)
+        if found is None:
+            raise ClientError(404, f"space {space} is not deployed", space=space)
+        records, after = found
+        return Response(
+            orjson.dumps({"records": records, "next": after}), media_type="application/json"
+        )
+
+    async def dashboard(self, request: Request) -> Response:
+        return dashboard.response()
 
     def _space_to_write(self, request: Request) -> str:
         space = f"{request.path_params['owner']}/{request.path_params['name']}"
@@ -268,6 +304,17 @@ class ControlPlane:
 
 class _TooLarge(Exception):
     pass
+
+
+_CURSOR = re.compile(r"[0-9]{1,18}")
+
+
+def _cursor(text: str) -> int:
+    if not _CURSOR.fullmatch(text):
+        raise ClientError(
+            422, "since must be a whole number of at least 0: the `next` of an earlier answer"
+        )
+    return int(text)
 
 
 def _limited(receive: Receive, limit: int) -> Receive:

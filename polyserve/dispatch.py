@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 from urllib.parse import quote
@@ -11,7 +12,7 @@ from urllib.parse import quote
 from starlette.responses import JSONResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from polyserve import loader
+from polyserve import loader, spacelog
 from polyserve.deadlines import Deadlines
 from polyserve.errors import ClientError
 from polyserve.meter import Meter
@@ -147,6 +148,9 @@ class Dispatch:
         if imported.kind == "app":
             scope["state"] = imported.state.copy()  # lifespan state, shallow-copied per ASGI
         task = self.deadlines.enter()
+        # What the space prints and logs from here (and in the tasks and threads it
+        # starts) is its own: one context variable set, the whole cost per request.
+        speaking = spacelog.CURRENT.set(imported.log)
         try:
             await imported.app(scope, receive, tracking_send)
         except (Exception, asyncio.CancelledError) as exc:
@@ -154,10 +158,12 @@ class Dispatch:
             if isinstance(exc, asyncio.CancelledError) and not timed_out:
                 raise  # the worker is stopping, or the client's connection is gone
             timeout = self.deadlines.timeout
+            where = f"{scope.get('method', 'WEBSOCKET')} {scope['path']}"
             if timed_out:
-                log.warning("space %s took longer than %g s: cancelled", space, timeout)
+                message = f"{where} took longer than {timeout:g} s: cancelled"
+                imported.log.record(logging.WARNING, "stderr", message, time.time())
             else:
-                log.exception("space %s v%d raised", space, imported.version)
+                imported.log.exception(exc, where)
             if status:
                 raise  # mid-response: nothing more can be said; the server closes it
             code, error = (
@@ -172,6 +178,7 @@ class Dispatch:
             await answer(scope, receive, send, code, {"error": error, "space": space})
             return code
         finally:
+            spacelog.CURRENT.reset(speaking)
             self.deadlines.leave(task)
         # An HTTP app that returns without a response gets a 500 from the server.
         return 500 if status == 0 and scope["type"] == "http" else status

@@ -28,6 +28,7 @@ import os
 import re
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-log = logging.getLogger("polyserve")
+from polyserve import spacelog
+
 _real_import = builtins.__import__
 MESSAGE_MAX = 2000
 DEFAULT_THREADS = 8  # POLYSERVE_SPACE_THREADS
@@ -219,6 +221,7 @@ class Imported:
     kind: str  # "app" (ASGI), "wsgi" or "handle"
     app: ASGIApp
     root: Path  # the version's directory
+    log: spacelog.Tag  # what its code says is attributed to it (dispatch sets CURRENT)
     state: dict[str, Any] = field(default_factory=dict)  # the lifespan state, per ASGI
     lifespan: _Lifespan | None = None
 
@@ -246,16 +249,22 @@ def import_version(
     roots = [root] if deps is None else [root, Path(deps)]
     names = frozenset().union(*(_top_names(r) for r in roots))
     _finder.packages[package] = (roots, _space_builtins(package, names))
+    tag = spacelog.tag(space, version, root)
+    speaking = spacelog.CURRENT.set(tag)  # what the module prints at import is the space's
     try:
         module = importlib.import_module(f"{package}.{entry.removesuffix('.py')}")
         kind, app = _find_callable(module, entry, threads)
-    except LoadError:
+    except LoadError as exc:
         forget(package)
+        tag.record(logging.ERROR, "stderr", f"import failed: {exc}", time.time())
         raise
     except (Exception, SystemExit) as exc:  # sys.exit() at import is the tenant's error too
         forget(package)
+        tag.exception(exc, f"the import of {entry}")
         raise LoadError(**describe(exc, root)) from exc  # type: ignore[arg-type]
-    return Imported(space, version, package, module, kind, app, root)
+    finally:
+        spacelog.CURRENT.reset(speaking)
+    return Imported(space, version, package, module, kind, app, root, tag)
 
 
 def _find_callable(module: Any, entry: str, threads: int) -> tuple[str, ASGIApp]:
@@ -407,9 +416,10 @@ class _Lifespan:
     returns, raises before `startup.complete`, or sends anything but a lifespan message
     there simply does not support lifespan, and is served; only `startup.failed` fails."""
 
-    def __init__(self, app: ASGIApp, state: dict[str, Any]) -> None:
+    def __init__(self, app: ASGIApp, state: dict[str, Any], log: spacelog.Tag) -> None:
         self.app = app
         self.state = state
+        self.log = log
         self.inbox: asyncio.Queue[dict[str, str]] = asyncio.Queue()
         self.started = asyncio.Event()  # startup answered, failed, or the app gave up
         self.stopped = asyncio.Event()
@@ -424,9 +434,9 @@ class _Lifespan:
         }
         try:
             await self.app(scope, self.inbox.get, self._send)
-        except Exception:
+        except Exception as exc:
             if self.started.is_set() and self.failed is None:
-                log.exception("app lifespan raised after its startup")
+                self.log.exception(exc, "the app's lifespan, after its startup")
         finally:
             self.started.set()
             self.stopped.set()
@@ -478,7 +488,9 @@ async def start(imported: Imported, timeout: float) -> None:
     version, cancels its lifespan, and is a LoadError."""
     if imported.kind != "app":
         return
-    lifespan = _Lifespan(imported.app, imported.state)
+    lifespan = _Lifespan(imported.app, imported.state, imported.log)
+    # The lifespan task copies this context: its startup and shutdown speak as the space.
+    speaking = spacelog.CURRENT.set(imported.log)
     try:
         if await lifespan.startup(timeout):
             imported.lifespan = lifespan
@@ -488,10 +500,17 @@ async def start(imported: Imported, timeout: float) -> None:
         forget(imported.package)
         if not isinstance(exc, Exception):
             raise  # a cancelled load stays cancelled
-        message = str(exc) if isinstance(exc, LoadError) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, LoadError):
+            message = str(exc)
+            imported.log.record(logging.ERROR, "stderr", message, time.time())
+        else:
+            message = f"{type(exc).__name__}: {exc}"
+            imported.log.exception(exc, "the app's lifespan startup")
         if not message.startswith("app lifespan"):
             message = f"app lifespan startup failed: {message}"
         raise LoadError(scrub_paths(message, imported.root)) from exc
+    finally:
+        spacelog.CURRENT.reset(speaking)
 
 
 async def stop(imported: Imported, timeout: float) -> None:
@@ -499,8 +518,8 @@ async def stop(imported: Imported, timeout: float) -> None:
     try:
         if imported.lifespan is not None:
             await imported.lifespan.shutdown(timeout)
-    except Exception:  # a tenant's failing shutdown must not keep its version loaded
-        log.exception("lifespan shutdown of %s v%s failed", imported.space, imported.version)
+    except Exception as exc:  # a tenant's failing shutdown must not keep its version loaded
+        imported.log.exception(exc, "the app's lifespan shutdown")
     finally:
         imported.lifespan = None
         if isinstance(imported.app, WSGIMiddleware):

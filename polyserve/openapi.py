@@ -171,6 +171,41 @@ SPEC: dict[str, Any] = {
                 },
             }
         },
+        "/_polyserve/spaces/{owner}/{name}/logs": {
+            "get": {
+                "summary": "A space's recent log records from every worker, oldest first",
+                "description": "Reading them takes the right to deploy the space. Pass the"
+                " answer's `next` as `since` to get only newer records (docs/logs.md).",
+                "security": [{}, {"bearer": []}],
+                "parameters": [
+                    *_SPACE_PARAMS,
+                    {
+                        "name": "since",
+                        "in": "query",
+                        "required": False,
+                        "description": "a cursor: the `next` of an earlier answer (default 0)",
+                        "schema": {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
+                    },
+                ],
+                "responses": {
+                    "200": _json("records", {"$ref": "#/components/schemas/Logs"}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed"),
+                    "422": _error("the space name or `since` is not valid"),
+                },
+            }
+        },
+        "/_polyserve/": {
+            "get": {
+                "summary": "The dashboard: a self-contained page over this API",
+                "responses": {
+                    "200": {
+                        "description": "the page",
+                        "content": {"text/html": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
         "/_polyserve/usage": {
             "get": {
                 "summary": "Usage per space and for the host",
@@ -343,6 +378,37 @@ SPEC: dict[str, Any] = {
                     "kind": {"enum": ["app", "wsgi", "handle"]},
                     "import_ms": {"type": "number"},
                     "hosts": {"type": "object", "description": "in a fleet: applied, live"},
+                },
+            },
+            "Logs": {
+                "type": "object",
+                "required": ["records", "next"],
+                "properties": {
+                    "records": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": [
+                                "seq",
+                                "time",
+                                "level",
+                                "version",
+                                "worker",
+                                "stream",
+                                "message",
+                            ],
+                            "properties": {
+                                "seq": {"type": "integer", "description": "its cursor"},
+                                "time": {"type": "number", "description": "Unix seconds"},
+                                "level": {"type": "string"},
+                                "version": {"type": "integer"},
+                                "worker": {"type": "integer", "description": "the pid"},
+                                "stream": {"enum": ["logging", "stdout", "stderr"]},
+                                "message": {"type": "string"},
+                            },
+                        },
+                    },
+                    "next": {"type": "integer", "description": "pass back as `since`"},
                 },
             },
             "Usage": {

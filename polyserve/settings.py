@@ -214,6 +214,20 @@ SETTINGS: tuple[Setting, ...] = (
         empty_is_value=True,
     ),
     Setting(
+        "log_kb",
+        positive_int,
+        const(1024),
+        "KiB of its newest log records each space keeps on disk, all workers together"
+        " (docs/logs.md).",
+    ),
+    Setting(
+        "log_rate",
+        positive_int,
+        const(100),
+        "Log records a second each worker keeps from one space, after a burst of ten"
+        " seconds' worth; the rest are dropped and counted.",
+    ),
+    Setting(
         "database_url",
         str,
         const(""),
@@ -319,6 +333,8 @@ class Settings:
     max_unpacked_mb: int
     space_threads: int
     preload: tuple[str, ...]
+    log_kb: int
+    log_rate: int
     database_url: str
     host_id: str
     advertise_url: str

@@ -10,6 +10,7 @@ Layout under POLYSERVE_DATA_DIR::
     spaces/<owner>/<name>/versions/<n>/       immutable files of version n
     spaces/<owner>/<name>/versions/<n>.json   its metadata
     spaces/<owner>/<name>/history.jsonl       what happened: one JSON event a line
+    logs/<owner>/<name>/            the space's recent log records (polyserve.logstore)
 
 Published version directories are never written again; only ``current`` moves. Each
 move of ``current`` (a deploy, a rollback, a delete) and each release appends an event
@@ -80,6 +81,7 @@ class Store:
         self.keep_versions = keep_versions
         self.spaces_dir = self.root / "spaces"
         self.staging_dir = self.root / "staging"
+        self.logs_dir = self.root / "logs"
         for d in (self.spaces_dir, self.staging_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.slots = SlotLog(self.root / "slots.log", max_spaces)
@@ -213,8 +215,12 @@ class Store:
         return slot, number, current.number, target
 
     def delete(self, space: str) -> int | None:
-        """Undeploy: drop `current`; prune() removes the versions once nobody uses them.
-        Hold locked(); returns the slot, or None when the space is not deployed."""
+        """Undeploy: drop `current` and the space's logs; prune() removes the versions
+        once nobody uses them. Hold locked(); returns the slot, or None when the space is
+        not deployed."""
+        # Its logs go at once: a redeployed space starts a new log (records its draining
+        # requests write meanwhile are dropped: see LogStore.open).
+        shutil.rmtree(self.logs_dir / space, ignore_errors=True)
         previous = _current_number(self.space_dir(space))
         try:
             os.unlink(self.space_dir(space) / "current")

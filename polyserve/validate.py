@@ -12,6 +12,7 @@ import asyncio
 import compileall
 import contextlib
 import json
+import logging
 import os
 import resource
 import signal
@@ -161,6 +162,9 @@ def main(argv: list[str]) -> None:
     deps = Path(argv[4]) if len(argv) > 4 else None
     result_fd = os.dup(1)
     os.dup2(2, 1)  # tenant prints must not corrupt the result line
+    # A worker echoes a space's exceptions to the host log (polyserve.spacelog); here the
+    # answer says what failed, and the stderr it quotes is the tenant's own output.
+    logging.getLogger("polyserve.space").disabled = True
     limit = memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     # Compile every module now: workers then load bytecode (this environment may set

@@ -23,6 +23,12 @@ def test_meter_bench_runs_one_short_round():
     assert result["metered_ns_p50"] > 0 and result["baseline_ns_p50"] > 0
 
 
+def test_logs_bench_runs_one_short_round():
+    result = run_bench("logs_bench.py", "--rounds", "1", "--n", "10000")
+    assert result["scenario"] == "logs" and result["rounds"] == 1
+    assert result["kept_print_us_p50"] > 0 and result["dropped_print_us_p50"] > 0
+
+
 def test_cold_start_bench_runs_one_short_round():
     result = run_bench("cold_start.py", "--cycles", "4", "--processes", "1")
     assert result["reimport"]["n"] == 4 and result["fresh_worker"]["n"] == 1

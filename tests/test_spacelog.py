@@ -1,0 +1,173 @@
+"""Unit tests of polyserve.spacelog: what a space says is attributed to it, bounded, echoed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio.to_thread
+import pytest
+
+from polyserve import spacelog
+from polyserve.logstore import LogStore
+from polyserve.spacelog import CURRENT, MESSAGE_MAX, Channel, Tag
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LogStore:
+    return LogStore(tmp_path / "logs", 1 << 20)
+
+
+@contextlib.contextmanager
+def capturing(store: LogStore) -> Iterator[spacelog.Capture]:
+    """install() as a worker does. In the test's body: pytest puts its own sys.stdout in
+    place when the test starts, after every fixture."""
+    installed = spacelog.install(store, rate=100)
+    try:
+        yield installed
+    finally:
+        spacelog.uninstall(installed)
+
+
+def records(store: LogStore, space: str) -> list[dict]:
+    return store.read(space, 0)[0]
+
+
+def test_interleaved_tasks_and_threads_of_two_spaces_each_log_as_their_own(store):
+    """Twenty requests of two spaces on one event loop, yielding between every line, and
+    a thread each (how sync handlers run): every record lands in its own space's log."""
+    with capturing(store):
+        a, b = spacelog.tag("o/a", 1), spacelog.tag("o/b", 7)
+        tenant = logging.getLogger("tenant")
+
+        async def request(tag: Tag, i: int) -> None:
+            token = CURRENT.set(tag)
+            try:
+                for step in range(3):
+                    print(f"{tag.space} print {i}.{step}")
+                    tenant.info("%s log %d.%d", tag.space, i, step)
+                    await asyncio.sleep(0)
+                await anyio.to_thread.run_sync(lambda: print(f"{tag.space} thread {i}"))
+                try:
+                    raise ValueError(f"{tag.space} boom {i}")
+                except ValueError as exc:
+                    tag.exception(exc, "a test")
+            finally:
+                CURRENT.reset(token)
+
+        async def main() -> None:
+            await asyncio.gather(*(request(t, i) for i in range(10) for t in (a, b)))
+
+        asyncio.run(main())
+        for tag in (a, b):
+            found = records(store, tag.space)
+            assert len(found) == 10 * 8
+            assert all(tag.space in r["message"] for r in found), found
+            assert {r["version"] for r in found} == {tag.version}
+            streams = {(r["stream"], r["level"]) for r in found}
+            assert streams == {("stdout", "INFO"), ("logging", "INFO"), ("stderr", "ERROR")}
+            assert sum(f"ValueError: {tag.space} boom" in r["message"] for r in found) == 10
+
+
+def test_what_the_host_writes_and_logs_passes_through_unchanged(store, capsys):
+    with capturing(store):
+        print("the host speaks")
+        sys.stderr.write("host stderr\n")
+        assert capsys.readouterr() == ("the host speaks\n", "host stderr\n")
+        assert not store.root.exists() or not any(store.root.iterdir())
+
+
+def test_a_host_record_no_handler_takes_still_goes_to_the_last_resort(store, capsys, monkeypatch):
+    with capturing(store) as capture:
+        root = logging.getLogger()
+        monkeypatch.setattr(root, "handlers", [capture.handler])  # pytest's own are gone
+        logging.getLogger("some.library").warning("library warning")
+        logging.getLogger("some.library").info("library info")  # below the last resort's level
+        assert capsys.readouterr().err == "library warning\n"
+
+
+def test_the_echo_to_the_host_log_names_space_version_and_pid(store, caplog):
+    with capturing(store) as capture:
+        tag = spacelog.tag("o/echo", 3)
+        token = CURRENT.set(tag)
+        try:
+            print("hello from the space")
+        finally:
+            CURRENT.reset(token)
+        assert f"[space o/echo v3 pid {capture.pid}] hello from the space" in caplog.text
+
+
+def test_lines_are_joined_across_writes_and_flush_ends_a_partial_one(store):
+    with capturing(store):
+        tag = spacelog.tag("o/p", 1)
+        token = CURRENT.set(tag)
+        try:
+            sys.stdout.write("a")
+            sys.stdout.write("b\nc")
+            assert [r["message"] for r in records(store, "o/p")] == ["ab"]
+            print("d", end="", flush=True)
+        finally:
+            CURRENT.reset(token)
+        assert [r["message"] for r in records(store, "o/p")] == ["ab", "cd"]
+
+
+def test_a_long_line_keeps_its_head_and_tail_with_a_marker(store):
+    with capturing(store):
+        tag = spacelog.tag("o/long", 1)
+        token = CURRENT.set(tag)
+        try:
+            print("head" + "x" * 50_000 + "tail")
+        finally:
+            CURRENT.reset(token)
+        (record,) = records(store, "o/long")
+        message = record["message"]
+        assert message.startswith("headx") and message.endswith("xtail")
+        assert "characters cut" in message and len(message) < MESSAGE_MAX + 100
+
+
+def test_the_rate_limit_drops_and_then_counts_what_it_dropped(store):
+    now = [0.0]
+    store.open("o/noisy")
+    channel = Channel("o/noisy", store, rate=10, clock=lambda: now[0])  # a burst of 100
+    tag = Tag("o/noisy", 1, channel)
+    for i in range(150):
+        tag.record(logging.INFO, "stdout", f"line {i}", 0.0)
+    found = [r["message"] for r in records(store, "o/noisy")]
+    assert found[:100] == [f"line {i}" for i in range(100)]
+    assert len(found) == 101 and "over POLYSERVE_LOG_RATE" in found[100]
+    now[0] = 1.0  # ten records' worth
+    tag.record(logging.INFO, "stdout", "line 150", 0.0)
+    found = [r["message"] for r in records(store, "o/noisy")]
+    assert found[101:] == [f"50 records dropped: {tag._over_rate()}", "line 150"]
+
+
+def test_an_exception_shows_the_spaces_frames_with_paths_relative_to_its_version(tmp_path):
+    root = tmp_path / "version"
+    root.mkdir()
+    (root / "mod.py").write_text("def boom():\n    raise KeyError('missing')\n")
+    spec = importlib.util.spec_from_file_location("mod_for_spacelog", root / "mod.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    seen: list[str] = []
+    tag = Tag("o/x", 2, None, root.resolve())
+    tag._emit = lambda level, stream, message, created: seen.append(message)  # type: ignore[method-assign]
+    try:
+        module.boom()
+    except KeyError as exc:
+        tag.exception(exc, "GET /s/o/x/")
+    (message,) = seen
+    assert message.startswith("Exception in GET /s/o/x/\nTraceback (most recent call last):")
+    assert 'File "mod.py", line 2, in boom' in message and message.endswith("KeyError: 'missing'")
+    assert "test_spacelog.py" not in message and str(tmp_path) not in message
+
+
+def test_uninstall_puts_back_the_streams_and_the_root_logger(store):
+    before = (sys.stdout, sys.stderr, logging.getLogger().level, list(logging.getLogger().handlers))
+    spacelog.uninstall(spacelog.install(store, rate=100))
+    after = (sys.stdout, sys.stderr, logging.getLogger().level, list(logging.getLogger().handlers))
+    assert after == before
