@@ -152,8 +152,13 @@ def uvicorn_server(app: str, workers: int) -> Server:
     )
 
 
+# One client for every deploy: httpx2.post builds a client per call (its TLS context
+# above all), ~50 ms that a deploy's own time would otherwise carry.
+_client = httpx2.Client()
+
+
 def deploy(url: str, space: str, filename: str, content: bytes) -> dict:
-    r = httpx2.post(
+    r = _client.post(
         url + "/_polyserve/deploy",
         data={"space": space},
         files={"module": (filename, content)},
@@ -161,6 +166,24 @@ def deploy(url: str, space: str, filename: str, content: bytes) -> dict:
     )
     r.raise_for_status()
     return r.json()
+
+
+def forkserver_pid(server: Server, timeout: float = 60) -> int:
+    """The host's validation fork server, once it listens (it warms up after the start)."""
+    from polyserve.forkserver import listening
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["ps", "-o", "pid=,args=", "--ppid", str(server.proc.pid)],
+            capture_output=True,
+            text=True,
+        ).stdout.splitlines()
+        found = [int(line.split()[0]) for line in out if "polyserve.forkserver" in line]
+        if found and listening(found[0]):
+            return found[0]
+        time.sleep(0.05)
+    raise RuntimeError("the fork server did not start listening")
 
 
 def wrk_path() -> str:

@@ -37,9 +37,9 @@ def example_tar() -> bytes:
 
 def worker_pid(master: int) -> int:
     out = subprocess.run(
-        ["ps", "-o", "pid=", "--ppid", str(master)], capture_output=True, text=True
-    ).stdout.split()
-    (pid,) = map(int, out)
+        ["ps", "-o", "pid=,args=", "--ppid", str(master)], capture_output=True, text=True
+    ).stdout.splitlines()
+    (pid,) = [int(line.split()[0]) for line in out if "polyserve.forkserver" not in line]
     return pid
 
 

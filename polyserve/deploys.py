@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, BinaryIO, TypeVar
 import anyio
 import anyio.to_thread
 
-from polyserve import deps, meter, requirements
+from polyserve import deps, hooks, meter, requirements
 from polyserve.broadcast import Broadcast
 from polyserve.errors import ClientError
 from polyserve.names import parse_space
@@ -69,6 +69,7 @@ class Deploys:
                 s.import_memory_mb,
                 env=scrubbed_environ(),
                 deps=installed.site if installed is not None else None,
+                forkserver=hooks.forkserver_name(),
             )
             if installed is not None:
                 checked["dependencies"] = installed.answer()

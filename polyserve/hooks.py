@@ -20,6 +20,7 @@ import numpy as np
 
 from polyserve import auth, meter, warmup
 from polyserve import settings as settings_mod
+from polyserve.forkserver import ForkServer
 from polyserve.leftover import Leftover
 from polyserve.shm import H_STARTED, Table, segment_name
 from polyserve.store import Store
@@ -53,6 +54,21 @@ class _Master:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None  # the checkpoint thread
         self.follower: subprocess.Popen[bytes] | None = None  # with POLYSERVE_DATABASE_URL
+        # Validations fork from it (polyserve/forkserver.py): a process of its own, started
+        # fresh with the environment tenant code gets, not a fork of this master.
+        self.forkserver = (
+            ForkServer(s.preload, settings_mod.scrubbed_environ())
+            if s.validate_forkserver
+            else None
+        )
+
+    def forkserve(self) -> None:
+        """Start the fork server (again, if it died: workers spawn validators meanwhile)."""
+        if self.forkserver is None or self.stop.is_set():
+            return
+        restarted = self.forkserver.proc is not None
+        if self.forkserver.ensure() and restarted:
+            self.log.error("the validation fork server exited: starting it again")
 
     def follow(self) -> None:
         """Start the fleet follower (again, if it died). A process of its own: the
@@ -102,6 +118,7 @@ class _Master:
             try:
                 self.checkpoint()
                 self.follow()
+                self.forkserve()
             except Exception:  # a full disk must not end the thread: try again next time
                 logging.getLogger("polyserve").exception("usage checkpoint failed")
 
@@ -117,6 +134,13 @@ def inherited() -> tuple[Table, int] | None:
     if _master is None or _worker_slot is None:
         return None
     return _master.table, _worker_slot
+
+
+def forkserver_name() -> str | None:
+    """The master's fork server's socket name, in a worker of a master that runs one."""
+    if _master is None or _master.forkserver is None:
+        return None
+    return _master.forkserver.name
 
 
 def worker_slots(workers: int) -> int:
@@ -181,6 +205,7 @@ def when_ready(server: Any) -> None:
 
             follower.start_boot(store, _master.table)
             _master.follow()
+        _master.forkserve()  # it warms up while the workers boot
         _master.thread = threading.Thread(
             target=_master.checkpoints, name="usage-checkpoint", daemon=True
         )
@@ -302,6 +327,8 @@ def on_exit(server: Any) -> None:
         _master.drain(server.cfg.graceful_timeout)
         _master.checkpoint()
         _master.unfollow()
+        if _master.forkserver is not None:  # after the workers: no deploy needs it now
+            _master.forkserver.stop()
         _master.table.close(unlink=True)
     if _lock_file is not None:
         _lock_file.close()

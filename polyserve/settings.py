@@ -167,6 +167,14 @@ SETTINGS: tuple[Setting, ...] = (
         "Address-space limit (MiB) of the validation subprocess.",
     ),
     Setting(
+        "validate_forkserver",
+        flag,
+        const(True),
+        "Fork each deploy's validation from one warm process that has imported"
+        " POLYSERVE_PRELOAD (0: start a new interpreter per deploy).",
+        "1",
+    ),
+    Setting(
         "max_spaces",
         positive_int,
         const(4096),
@@ -326,6 +334,7 @@ class Settings:
     tokens_file: str
     import_timeout: float
     import_memory_mb: int
+    validate_forkserver: bool
     max_spaces: int
     keep_versions: int
     checkpoint_interval: float

@@ -1,9 +1,10 @@
 """Import and start a staged version as a worker will, in a throwaway subprocess, before publish.
 
 The parent side is `validate()`. The child (`python -m polyserve.validate ROOT ENTRY
-MEMORY_MB TIMEOUT [DEPS]`) byte-compiles the version, then on an event loop like a worker's
-imports its entry on a worker thread, runs the ASGI lifespan startup and shutdown, and
-writes one JSON line to its original stdout; tenant output is moved to stderr first.
+MEMORY_MB TIMEOUT [DEPS]`, or the same `main` forked by polyserve.forkserver) byte-compiles
+the version, then on an event loop like a worker's imports its entry on a worker thread,
+runs the ASGI lifespan startup and shutdown, and writes one JSON line to its original
+stdout; tenant output is moved to stderr first.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from polyserve import forkserver as forkserver_mod
 from polyserve.errors import ClientError
 
 STDERR_TAIL = 2000  # bytes of the import's stderr kept for the error body
@@ -35,25 +37,51 @@ async def validate(
     memory_mb: int,
     env: Mapping[str, str] | None = None,
     deps: Path | None = None,
+    forkserver: str | None = None,
 ) -> dict[str, object]:
     """Return {"kind", "import_ms"} or raise ClientError(422) saying what to fix. `env` is
     the child's whole environment (the host passes one without its secrets); `deps` the
-    version's installed dependency set (polyserve/deps.py), imported as a worker will."""
-    proc = await asyncio.create_subprocess_exec(
+    version's installed dependency set (polyserve/deps.py), imported as a worker will.
+    With `forkserver` (the master's fork server's name), the child is forked from that
+    warm process; without one, or when it does not answer, a new interpreter."""
+    argv = [str(root), entry, str(memory_mb), str(timeout), *([str(deps)] if deps else [])]
+    proc = await forkserver_mod.fork(forkserver, argv, env) if forkserver else None
+    try:
+        return await _wait(proc or await _spawn(argv, env), entry, timeout, memory_mb)
+    except _ServerGone:
+        # The fork server died under this validation (killed, crashed, or killed by the
+        # tenant's code): its child died with it. Once more, in a new interpreter.
+        return await validate(root, entry, timeout, memory_mb, env, deps)
+    finally:
+        if proc is not None:
+            proc.close()
+
+
+class _ServerGone(Exception):
+    pass
+
+
+async def _spawn(argv: list[str], env: Mapping[str, str] | None) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "polyserve.validate",
-        str(root),
-        entry,
-        str(memory_mb),
-        str(timeout),
-        *([str(deps)] if deps is not None else []),
+        *argv,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=None if env is None else dict(env),
         start_new_session=True,  # so a timeout kills whatever the import spawned, too
     )
+
+
+async def _wait(
+    proc: asyncio.subprocess.Process | forkserver_mod.Forked,
+    entry: str,
+    timeout: float,
+    memory_mb: int,
+) -> dict[str, object]:
+    """Read the child's result line and bounded output; kill its group at the timeout."""
     assert proc.stdout is not None and proc.stderr is not None
     try:
         # Both pipes are drained as they fill, keeping a bounded head of stdout and tail
@@ -82,6 +110,8 @@ async def validate(
     try:
         result = json.loads(out.decode().strip().splitlines()[-1])
     except (ValueError, IndexError):
+        if isinstance(proc, forkserver_mod.Forked) and proc.server_gone:
+            raise _ServerGone from None
         how = (
             f"signal {signal.Signals(-proc.returncode).name}"
             if proc.returncode is not None and proc.returncode < 0

@@ -20,6 +20,10 @@ from typing import Any, TypeVar
 import httpx2 as httpx
 import pytest
 
+from polyserve.forkserver import ForkServer
+from polyserve.forkserver import listening as forkserver_listening
+from polyserve.settings import scrubbed_environ
+
 REPO = Path(__file__).resolve().parent.parent
 
 T = TypeVar("T")
@@ -71,6 +75,7 @@ def _state(pid: int) -> str:
 
 
 FOLLOWER = "polyserve.fleet.follower"  # in the follower process's command line
+FORKSERVER = "polyserve.forkserver"  # in the validation fork server's
 
 
 class HostProcess:
@@ -174,8 +179,23 @@ class HostProcess:
         return {int(line.split()[0]): line for line in out.splitlines() if line.strip()}
 
     def worker_pids(self) -> set[int]:
-        """The master's children but its fleet follower (a process of its own)."""
-        return {pid for pid, args in self._children().items() if FOLLOWER not in args}
+        """The master's children but its fleet follower and its validation fork server
+        (processes of their own)."""
+        return {
+            pid
+            for pid, args in self._children().items()
+            if FOLLOWER not in args and FORKSERVER not in args
+        }
+
+    def forkserver_pid(self, timeout: float = 30.0) -> int:
+        """The master's validation fork server, once it listens (it starts beside the
+        workers and warms up before it binds its socket)."""
+
+        def listening() -> int | None:
+            found = [pid for pid, args in self._children().items() if FORKSERVER in args]
+            return found[0] if len(found) == 1 and forkserver_listening(found[0]) else None
+
+        return until(listening, timeout, "the validation fork server to listen")
 
     def follower_pid(self) -> int:
         """The master's fleet follower (a host with POLYSERVE_DATABASE_URL)."""
@@ -206,6 +226,18 @@ class HostProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+@contextlib.contextmanager
+def running_forkserver(preload: tuple[str, ...] = ("numpy", "onnxruntime")) -> Iterator[ForkServer]:
+    """A validation fork server started as a master starts one, once it listens."""
+    server = ForkServer(preload, scrubbed_environ())
+    server.ensure()
+    try:
+        until(lambda: forkserver_listening(server.proc.pid), what="the fork server to listen")
+        yield server
+    finally:
+        server.stop()
 
 
 # Fixtures that start a real host: conftest marks every test that uses one `gunicorn`.

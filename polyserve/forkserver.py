@@ -1,0 +1,386 @@
+"""The fork server: one warm interpreter that forks each deploy's validation child.
+
+A validation spawned as a new interpreter pays for importing onnxruntime and numpy
+before the tenant's own code runs, ~100 ms of a ~140 ms deploy. The master instead starts
+one fork server (`python -m polyserve.forkserver NAME MASTER_PID PRELOAD`), a fresh
+interpreter with the environment a validation gets (no host secrets: the stdlib's
+forkserver would pass the caller's whole environment, and would not outlive gunicorn's
+fork of workers), which imports POLYSERVE_PRELOAD's modules once and waits. A worker's
+`fork()` asks it over a Unix socket for a child and passes the child's stdout and stderr
+pipes with SCM_RIGHTS; the child takes the same limits a spawned validator does (new
+session, RLIMIT_AS, killed with its group at the timeout) and runs exactly that
+validator's code, `polyserve.validate.main`. The server itself never runs tenant code:
+it only forks, reaps and reports exit statuses.
+
+The socket is in Linux's abstract namespace, named at random per master: no path to
+clean up after a master killed with -9, none longer than sun_path's 108 bytes under a
+deep data directory. Abstract sockets have no file permissions, so the server accepts
+only peers of its own uid (SO_PEERCRED), the uid workers and tenant code already run as.
+
+Protocol (SOCK_SEQPACKET, one JSON message each): the worker sends {"argv", "env"} with
+two fds; the server answers {"pid"} once forked and {"returncode"} once the child is
+reaped (negative: the signal that ended it, as subprocess reports). A worker that hangs
+up first (its deploy timed out or was cancelled) gets its child's group killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import importlib
+import json
+import logging
+import os
+import secrets
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+
+from polyserve import warmup
+
+_PR_SET_PDEATHSIG = 1
+_MAX_MESSAGE = 1 << 20  # a request carries the environment: a few KiB
+_HANDSHAKE_S = 5.0  # a live server forks at once; past this, spawn instead
+_STOP_S = 5.0
+EXIT_CHILD_FAILED = 70  # EX_SOFTWARE: the child failed before validate.main took over
+# What a validation child uses on top of the preloaded modules: imported once here, so
+# the import time a validation reports is the tenant module's own, as in a worker.
+_WARM = ("compileall", "polyserve.validate", "polyserve.loader", "anyio.to_thread")
+_OPTIONAL_WARM = ("uvloop", "starlette.applications")
+
+log = logging.getLogger("polyserve.forkserver")
+
+
+def new_name() -> str:
+    """A fresh abstract socket name for one master's fork server."""
+    return f"polyserve-validate-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def _address(name: str) -> str:
+    return "\0" + name  # the abstract namespace: nothing on disk
+
+
+def listening(pid: int) -> bool:
+    """Whether process `pid` (a fork server, seen from outside: tests, benchmarks) has a
+    listening Unix socket, which it binds once warm."""
+    try:
+        fds = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+    except FileNotFoundError:  # it exited
+        return False
+    inodes = {fd[len("socket:[") : -1] for fd in fds if fd.startswith("socket:[")}
+    # /proc/net/unix: Num RefCount Protocol Flags Type St Inode [Path]; __SO_ACCEPTCON
+    rows = [row.split() for row in Path("/proc/net/unix").read_text().splitlines()[1:]]
+    return any(row[3] == "00010000" and row[6] in inodes for row in rows)
+
+
+# -- the master's side -------------------------------------------------------------------
+
+
+class ForkServer:
+    """The master's handle on its fork server: start it, start it again if it died, stop
+    it. Workers only need `name` (they inherit this object with the master's memory)."""
+
+    def __init__(self, preload: tuple[str, ...], env: Mapping[str, str]) -> None:
+        self.name = new_name()
+        self.preload = preload
+        self.env = dict(env)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def ensure(self) -> bool:
+        """Start the server if it is not running; True if this call started one. Until it
+        has imported the preloaded modules and listens, workers spawn validators."""
+        if self.proc is not None and self.proc.poll() is None:
+            return False
+        argv = [sys.executable, "-m", "polyserve.forkserver", self.name, str(os.getpid())]
+        self.proc = subprocess.Popen([*argv, ",".join(self.preload)], env=self.env)
+        return True
+
+    def stop(self) -> None:
+        """At exit: SIGTERM, on which it kills its children's groups; SIGKILL if slow."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- the server --------------------------------------------------------------------------
+
+
+class _Server:
+    """One thread, one selector: accept, fork on a request, report each child's exit
+    (a pidfd per child). It never blocks on a client, so a client that connects and says
+    nothing delays no one."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ, None)
+        self.children: dict[int, tuple[socket.socket, int]] = {}  # pid -> (client, pidfd)
+        self.waiting: set[socket.socket] = set()  # clients that have not asked yet
+
+    def run(self) -> None:
+        while True:
+            for key, _ in self.selector.select():
+                if key.fileobj is self.listener:
+                    self._accept()
+                elif isinstance(key.data, int):
+                    self._reap(key.data)
+                elif key.data == "request":
+                    self._request(key.fileobj)  # type: ignore[arg-type]
+                else:  # a client whose child runs: it hung up, or sent out of turn
+                    self._hung_up(key.fileobj, key.data[1])  # type: ignore[arg-type]
+
+    def _accept(self) -> None:
+        try:
+            client, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        cred = client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        if struct.unpack("3i", cred)[1] != os.getuid():  # see the module docstring
+            client.close()
+            return
+        client.setblocking(False)
+        self.waiting.add(client)
+        self.selector.register(client, selectors.EVENT_READ, "request")
+
+    def _request(self, client: socket.socket) -> None:
+        self.selector.unregister(client)
+        self.waiting.discard(client)
+        fds: list[int] = []
+        try:
+            message, fds, _, _ = socket.recv_fds(client, _MAX_MESSAGE, 2)
+            request = json.loads(message)
+            argv, env = [str(a) for a in request["argv"]], request.get("env")
+            if len(fds) != 2:
+                raise ValueError("expected the child's stdout and stderr")
+        except (OSError, ValueError, KeyError, TypeError):
+            for fd in fds:
+                os.close(fd)
+            client.close()
+            return
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here may reach the child
+            with contextlib.suppress(Exception):
+                stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            self._child(client, argv, env, fds)  # never returns
+        for fd in fds:
+            os.close(fd)  # the child's pipes must end when the child's copies do
+        pidfd = os.pidfd_open(pid)
+        self.children[pid] = (client, pidfd)
+        self.selector.register(pidfd, selectors.EVENT_READ, pid)
+        self.selector.register(client, selectors.EVENT_READ, ("running", pid))
+        _send(client, {"pid": pid})
+
+    def _hung_up(self, client: socket.socket, pid: int) -> None:
+        with contextlib.suppress(OSError):
+            if client.recv(_MAX_MESSAGE):
+                return  # out of turn: ignored
+        # The worker is gone or gave up (timeout, cancelled deploy): leave nothing running.
+        self.selector.unregister(client)
+        _kill_group(pid)
+
+    def _reap(self, pid: int) -> None:
+        _, status = os.waitpid(pid, 0)
+        _kill_group(pid)  # what the import left behind, as a spawned validator's parent does
+        client, pidfd = self.children.pop(pid)
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        with contextlib.suppress(KeyError):
+            self.selector.unregister(client)
+        _send(client, {"returncode": os.waitstatus_to_exitcode(status)})
+        client.close()
+
+    def _child(
+        self, asked: socket.socket, argv: list[str], env: dict[str, str] | None, fds: list[int]
+    ) -> None:
+        """In the forked child: become what a spawned validator is, then run it."""
+        try:
+            server = os.getppid()
+            os.setsid()  # its own group: the timeout kills whatever the import spawned
+            # Nothing outlives the server (the master stops it, or it dies with it).
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != server:
+                os._exit(EXIT_CHILD_FAILED)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_DFL)
+            # None of the server's sockets may reach tenant code.
+            for client, pidfd in self.children.values():
+                client.close()
+                os.close(pidfd)
+            for client in (asked, *self.waiting):
+                client.close()
+            self.selector.close()
+            self.listener.close()
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(fds[0], 1)
+            os.dup2(fds[1], 2)
+            for fd in (null, *fds):
+                os.close(fd)
+            if env is not None:
+                os.environ.clear()
+                os.environ.update(env)
+            from polyserve import validate
+
+            sys.argv = [validate.__file__, *argv]  # as the spawned validator's
+            validate.main(argv)  # ends with os._exit
+        except BaseException:
+            with contextlib.suppress(Exception):
+                traceback.print_exc()
+                sys.stderr.flush()
+        # Never return into the server's loop, and never run the exit handlers of what
+        # the server loaded: onnxruntime's hang in a forked child (see hooks.worker_exit).
+        os._exit(EXIT_CHILD_FAILED)
+
+    def stop(self) -> None:
+        for pid in self.children:
+            _kill_group(pid)
+
+
+def _send(client: socket.socket, message: dict[str, object]) -> None:
+    with contextlib.suppress(OSError):  # a client that hung up gets nothing
+        client.send(json.dumps(message).encode())
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _warm(preload: list[str]) -> None:
+    """Import what every validation would import first. A preloaded module that fails
+    here is skipped: the master already refused to start for one that cannot import."""
+    for name in [*preload, *_WARM, *_OPTIONAL_WARM]:
+        try:
+            importlib.import_module(name)
+            if name in warmup.WARMUPS:
+                warmup.WARMUPS[name]()
+        except Exception as exc:
+            if name not in _OPTIONAL_WARM:
+                log.warning("fork server: cannot import %s: %s", name, exc)
+    # Nothing here is collected again: children then never write these objects' headers
+    # (each write would copy a shared page), as pre_fork does for workers.
+    gc.freeze()
+
+
+def main(argv: list[str]) -> None:
+    name, master, preload = argv[0], int(argv[1]), [m for m in argv[2].split(",") if m]
+    logging.basicConfig(format="[%(process)d] %(message)s")
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    # SIGTERM (and so the cleanup below) when the master dies, even of a SIGKILL.
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != master:
+        os._exit(0)
+    server = None
+    try:
+        _warm(preload)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Bound only once warm: until then a worker's connect fails and it spawns.
+        listener.bind(_address(name))
+        listener.listen(64)
+        listener.setblocking(False)
+        server = _Server(listener)
+        server.run()
+    except SystemExit:
+        pass
+    finally:
+        if server is not None:
+            server.stop()
+        # The server loaded onnxruntime: skip the C exit handlers it has no use for.
+        os._exit(0)
+
+
+# -- a worker's side ---------------------------------------------------------------------
+
+
+class Forked:
+    """A validation child forked by the server, shaped as asyncio's Process is for the
+    spawned validator: pid (its process group too), stdout, stderr, wait()."""
+
+    def __init__(
+        self,
+        pid: int,
+        client: socket.socket,
+        pipes: list[tuple[asyncio.BaseTransport, asyncio.StreamReader]],
+    ) -> None:
+        self.pid = pid
+        self.client = client
+        self.pipes = pipes
+        self.stdout, self.stderr = pipes[0][1], pipes[1][1]
+        self.returncode: int | None = None
+        self.server_gone = False  # the server ended before reporting the exit status
+
+    async def wait(self) -> int | None:
+        """The child's exit status; None if the fork server died first (its children
+        die with it: PR_SET_PDEATHSIG)."""
+        if self.client.fileno() == -1:  # already reported (or closed)
+            return self.returncode
+        loop = asyncio.get_running_loop()
+        try:
+            reply = await loop.sock_recv(self.client, _MAX_MESSAGE)
+            self.returncode = int(json.loads(reply)["returncode"])
+        except (OSError, ValueError, KeyError, TypeError):
+            self.server_gone = True
+        self.client.close()
+        return self.returncode
+
+    def close(self) -> None:
+        self.client.close()  # a server still running the child then kills its group
+        for transport, _ in self.pipes:
+            transport.close()
+
+
+async def fork(name: str, argv: list[str], env: Mapping[str, str] | None) -> Forked | None:
+    """Ask the fork server `name` for a validation child running `argv`; None when no
+    server answers (not listening yet, or dead): the caller spawns one instead."""
+    loop = asyncio.get_running_loop()
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client.setblocking(False)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        await asyncio.wait_for(loop.sock_connect(client, _address(name)), _HANDSHAKE_S)
+        request = {"argv": argv, "env": None if env is None else dict(env)}
+        socket.send_fds(client, [json.dumps(request).encode()], [out_w, err_w])
+        reply = await asyncio.wait_for(loop.sock_recv(client, _MAX_MESSAGE), _HANDSHAKE_S)
+        pid = int(json.loads(reply)["pid"])
+    except (OSError, ValueError, KeyError, TypeError, TimeoutError):
+        client.close()  # a server that forked after all kills that child on the hang-up
+        os.close(out_r)
+        os.close(err_r)
+        return None
+    finally:
+        os.close(out_w)  # the child holds the only write ends now
+        os.close(err_w)
+    return Forked(pid, client, [await _reader(out_r), await _reader(err_r)])
+
+
+async def _reader(fd: int) -> tuple[asyncio.BaseTransport, asyncio.StreamReader]:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+    )
+    return transport, reader
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,299 @@
+"""The validation fork server: it survives what tenants' validations do, hands out children
+that get no secrets and run the tenant's code (it never does), and never blocks a deploy:
+without it, a deploy spawns its validator as before."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from polyserve import forkserver
+from polyserve.errors import ClientError
+from polyserve.validate import validate
+from tests.helpers import FORKSERVER, HostProcess, alive, module_host, running_forkserver, until
+
+ADMIN = "forkserver-admin-token"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+GOOD = "def handle(request):\n    return 'ok'\n"
+
+fs_host = module_host(
+    "fs_host",
+    workers=1,
+    POLYSERVE_DEPLOY_TOKEN=ADMIN,
+    POLYSERVE_IMPORT_TIMEOUT="3",
+    POLYSERVE_CHECKPOINT_INTERVAL="0.2",  # how soon the master restarts a dead server
+)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[forkserver.ForkServer]:
+    """One fork server shared by the unit tests that do not kill it."""
+    with running_forkserver() as s:
+        yield s
+
+
+def check(tmp_path: Path, name: str, source: str, timeout: float = 20) -> dict[str, object]:
+    (tmp_path / "main.py").write_text(source)
+    return asyncio.run(validate(tmp_path, "main.py", timeout, 4096, forkserver=name))
+
+
+def recorder(marker: Path) -> str:
+    """A module that appends its process's pid and parent pid to `marker` when imported."""
+    return (
+        "import os\n"
+        f"with open({str(marker)!r}, 'a') as f:\n"
+        "    f.write(f'{os.getpid()} {os.getppid()}\\n')\n" + GOOD
+    )
+
+
+def waits_for(own: Path, other: Path) -> str:
+    """A module that marks `own` at import, then waits (bounded) until `other` exists:
+    two of them validate only if both validations run at the same time."""
+    return (
+        "import os, time\n"
+        f"open({str(own)!r}, 'w').close()\n"
+        "for _ in range(1000):\n"
+        f"    if os.path.exists({str(other)!r}):\n"
+        "        break\n"
+        "    time.sleep(0.01)\n"
+        "else:\n"
+        "    raise RuntimeError('the other validation never ran beside this one')\n" + GOOD
+    )
+
+
+# -- the server alone -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import time\ntime.sleep(60)\n",
+        "import ctypes\nctypes.string_at(0)\n",
+        "import os\nos._exit(3)\n",
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+    ],
+    ids=["hang", "segfault", "os._exit", "SIGKILL"],
+)
+def test_the_server_serves_the_next_validation_after_a_failing_one(tmp_path, server, source):
+    """A validation that hangs or ends its process is a 422; the server forks the next."""
+    with pytest.raises(ClientError) as err:
+        check(tmp_path, server.name, source, timeout=1)
+    assert err.value.status == 422
+    assert server.proc.poll() is None
+    assert check(tmp_path, server.name, GOOD)["kind"] == "handle"
+
+
+def test_a_validation_runs_in_a_child_of_the_server_not_in_it(tmp_path, server):
+    """The tenant module is imported by a forked child, never by the server itself."""
+    marker = tmp_path / "imported"
+    check(tmp_path, server.name, recorder(marker))
+    ((pid, parent),) = [tuple(map(int, line.split())) for line in marker.read_text().splitlines()]
+    assert parent == server.proc.pid and pid != server.proc.pid
+
+
+def test_a_client_that_never_asks_delays_no_validation(tmp_path, server):
+    """A connection that sends nothing leaves the server forking for everyone else."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as idle:
+        idle.connect("\0" + server.name)
+        assert check(tmp_path, server.name, GOOD)["kind"] == "handle"
+
+
+def test_validations_run_side_by_side(tmp_path, server):
+    """Two validations asked for at once run at the same time (each waits for the other)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+    (a / "main.py").write_text(waits_for(tmp_path / "a-started", tmp_path / "b-started"))
+    (b / "main.py").write_text(waits_for(tmp_path / "b-started", tmp_path / "a-started"))
+
+    async def both() -> list[dict[str, object]]:
+        return await asyncio.gather(
+            *(validate(d, "main.py", 20, 4096, forkserver=server.name) for d in (a, b))
+        )
+
+    assert [r["kind"] for r in asyncio.run(both())] == ["handle", "handle"]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
+def test_a_process_of_another_user_gets_no_child(tmp_path, server):
+    """The abstract socket has no file permissions: the server checks the peer's uid."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.setuid(65534)  # nobody
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.connect("\0" + server.name)
+                _, out_w = os.pipe()
+                request = json.dumps({"argv": [str(tmp_path), "main.py", "64", "1"]}).encode()
+                socket.send_fds(s, [request], [out_w, out_w])
+                os.write(write, b"answer: " + s.recv(1024))
+        except OSError as exc:  # the server hung up on it
+            os.write(write, f"refused: {exc!r}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    got = os.read(read, 1024)
+    os.close(read)
+    assert got == b"answer: " or got.startswith(b"refused: "), got
+
+
+def test_a_validation_whose_server_is_killed_still_answers(tmp_path):
+    """SIGKILL of the server mid-validation: the deploy validates in a new interpreter."""
+    started, go = tmp_path / "started", tmp_path / "go"
+    (tmp_path / "main.py").write_text(
+        "import os, time\n"
+        f"with open({str(started)!r}, 'a') as f:\n"
+        "    f.write(f'{os.getppid()}\\n')\n"
+        f"while not os.path.exists({str(go)!r}):\n"
+        "    time.sleep(0.01)\n" + GOOD
+    )
+    with running_forkserver() as s:
+
+        async def kill_then_release() -> dict[str, object]:
+            task = asyncio.create_task(validate(tmp_path, "main.py", 20, 4096, forkserver=s.name))
+            while not started.exists():
+                await asyncio.sleep(0.01)
+            os.kill(s.proc.pid, signal.SIGKILL)
+            while alive(s.proc.pid):  # once it is gone, its child has had its SIGKILL
+                await asyncio.sleep(0.01)
+            go.touch()
+            return await task
+
+        assert asyncio.run(kill_then_release())["kind"] == "handle"
+    parents = [int(line) for line in started.read_text().splitlines()]
+    assert parents[0] == s.proc.pid and parents[-1] == os.getpid()  # spawned by this process
+
+
+# -- through a host -------------------------------------------------------------------
+
+
+def test_a_deploy_validates_in_a_child_of_the_hosts_fork_server(fs_host, tmp_path):
+    """The deploy's validation is forked by the master's fork server, which imports nothing
+    of the tenant's: the pid that imported the module first is its child, not itself."""
+    marker = tmp_path / "imported"
+    server = fs_host.forkserver_pid()  # once warm: until then, deploys spawn
+    r = fs_host.deploy("fs/who", recorder(marker), headers=AUTH)
+    assert r.status_code == 200, r.text
+    pid, parent = map(int, marker.read_text().splitlines()[0].split())
+    assert parent == server and pid != server
+
+
+def test_the_validation_child_sees_no_host_secret(fs_host, tmp_path):
+    """Neither os.environ nor the environment block the child started with holds the token."""
+    seen = tmp_path / "seen"
+    source = (
+        "import os\n"
+        f"if not os.path.exists({str(seen)!r}):  # the validation's import, not the worker's\n"
+        f"    with open({str(seen)!r}, 'w') as f:\n"
+        "        f.write(f'{os.getppid()}\\n')\n"
+        "        f.write(open('/proc/self/environ').read().replace('\\0', '\\n'))\n"
+        "        f.write('\\n'.join(os.environ))\n" + GOOD
+    )
+    server = fs_host.forkserver_pid()
+    r = fs_host.deploy("fs/env", source, headers=AUTH)
+    assert r.status_code == 200, r.text
+    parent, text = seen.read_text().split("\n", 1)
+    assert int(parent) == server
+    assert "PATH" in text and "POLYSERVE_DEPLOY_TOKEN" not in text and ADMIN not in text
+
+
+@pytest.mark.parametrize(
+    "source,what",
+    [
+        ("def handle(r):\n  return (\n", "SyntaxError"),
+        ("1 / 0\n", "ZeroDivisionError"),
+        ("import time\ntime.sleep(60)\n", "within 3 s"),
+        ("import os\nos._exit(7)\n", "exit code 7"),
+        ("import ctypes\nctypes.string_at(0)\n", "SIGSEGV"),
+        ("blob = bytearray(8 << 30)\n", "address-space limit"),
+    ],
+    ids=["syntax", "exception", "hang", "os._exit", "segfault", "memory"],
+)
+def test_a_failing_validation_leaves_the_fork_server_and_host_serving(fs_host, source, what):
+    """Each failure is a clear 422; the same fork server then validates the next deploy,
+    and the host serves it."""
+    server = fs_host.forkserver_pid()
+    assert fs_host.deploy("fs/bad", GOOD, headers=AUTH).status_code == 200
+    r = fs_host.deploy("fs/bad", source, headers=AUTH)
+    assert r.status_code == 422 and what in r.json()["error"], r.text
+    assert fs_host.get("/s/fs/bad/").text == "ok"  # the previous version still serves
+    assert fs_host.forkserver_pid() == server
+    r = fs_host.deploy("fs/bad", GOOD.replace("'ok'", "'next'"), headers=AUTH)
+    assert r.status_code == 200 and fs_host.get("/s/fs/bad/").text == "next"
+
+
+def test_concurrent_deploys_validate_side_by_side(fs_host, tmp_path):
+    """Two deploys to one worker at once: both validations run at the same time."""
+    fs_host.forkserver_pid()  # warm, so both are forked
+    a, b = tmp_path / "a", tmp_path / "b"
+    sources = {"fs/left": waits_for(a, b), "fs/right": waits_for(b, a)}
+    codes: dict[str, int] = {}
+
+    def deploy(space: str) -> None:
+        codes[space] = fs_host.deploy(space, sources[space], headers=AUTH).status_code
+
+    threads = [threading.Thread(target=deploy, args=(space,)) for space in sources]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes == {"fs/left": 200, "fs/right": 200}
+
+
+def test_a_deploy_right_after_the_fork_server_is_killed_answers_200(fs_host):
+    """SIGKILL the fork server: the next deploy still validates (spawned, or forked by its
+    replacement) and publishes."""
+    os.kill(fs_host.forkserver_pid(), signal.SIGKILL)
+    r = fs_host.deploy("fs/after-kill", GOOD, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert fs_host.get("/s/fs/after-kill/").text == "ok"
+
+
+def test_the_master_starts_a_new_fork_server_when_one_dies(fs_host):
+    """A killed fork server is replaced, and deploys validate through the new one."""
+    old = fs_host.forkserver_pid()
+    os.kill(old, signal.SIGKILL)
+    until(lambda: not alive(old), what="the old fork server to go")
+    assert fs_host.forkserver_pid() != old
+    assert fs_host.deploy("fs/restarted", GOOD, headers=AUTH).status_code == 200
+
+
+def forkserver_children(host: HostProcess) -> list[int]:
+    return [pid for pid, args in host._children().items() if FORKSERVER in args]
+
+
+def test_stopping_the_host_leaves_no_fork_server(host_factory):
+    """The master stops its fork server on exit."""
+    host = host_factory(workers=1)
+    pid = host.forkserver_pid()
+    host.stop()
+    assert not alive(pid)
+
+
+def test_a_master_killed_with_sigkill_takes_its_fork_server_along(host_factory):
+    """The fork server dies with its master, however the master ends."""
+    host = host_factory(workers=1)
+    pid = host.forkserver_pid()
+    host.proc.kill()
+    host.proc.wait()
+    until(lambda: not alive(pid), what="the fork server to follow its master")
+
+
+def test_with_the_fork_server_off_deploys_spawn_their_validator(host_factory, tmp_path):
+    """POLYSERVE_VALIDATE_FORKSERVER=0: no fork server, and the validator is a new
+    interpreter whose parent is the worker."""
+    host = host_factory(workers=1, POLYSERVE_VALIDATE_FORKSERVER="0")
+    marker = tmp_path / "imported"
+    assert host.deploy("fs/off", recorder(marker)).status_code == 200
+    _, parent = map(int, marker.read_text().splitlines()[0].split())
+    assert parent in host.worker_pids() and forkserver_children(host) == []
