@@ -297,6 +297,7 @@ def scenario_deploy(args, tmp: Path) -> dict:
     # Two workers on every core: "no stale answer after the 200" is about other workers.
     every_core = sorted(os.sched_getaffinity(0))
     with polyserve(2, tmp / "deploy", cpus=every_core) as host:
+        harness.forkserver_pid(host)  # warm: deploys would spawn validators until then
         for kind, (space, upload) in uploads.items():
             times, stale, calls = [], 0, 0
             for n in range(1, args.deploys + 1):

@@ -53,7 +53,13 @@ _STOP_S = 5.0
 EXIT_CHILD_FAILED = 70  # EX_SOFTWARE: the child failed before validate.main took over
 # What a validation child uses on top of the preloaded modules: imported once here, so
 # the import time a validation reports is the tenant module's own, as in a worker.
-_WARM = ("compileall", "polyserve.validate", "polyserve.loader", "anyio.to_thread")
+_WARM = (
+    "compileall",
+    "polyserve.validate",
+    "polyserve.loader",
+    "anyio.to_thread",
+    "anyio._backends._asyncio",  # imported at anyio's first use in a loop, ~25 ms
+)
 _OPTIONAL_WARM = ("uvloop", "starlette.applications")
 
 log = logging.getLogger("polyserve.forkserver")
@@ -173,7 +179,14 @@ class _Server:
         for stream in (sys.stdout, sys.stderr):  # nothing buffered here may reach the child
             with contextlib.suppress(Exception):
                 stream.flush()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # no memory or process left: this worker spawns instead
+            log.warning("fork server: cannot fork a validation: %s", exc)
+            for fd in fds:
+                os.close(fd)
+            client.close()
+            return
         if pid == 0:
             self._child(client, argv, env, fds)  # never returns
         for fd in fds:
