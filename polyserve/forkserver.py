@@ -106,7 +106,14 @@ class ForkServer:
         if self.proc is not None and self.proc.poll() is None:
             return False
         argv = [sys.executable, "-m", "polyserve.forkserver", self.name, str(os.getpid())]
-        self.proc = subprocess.Popen([*argv, ",".join(self.preload)], env=self.env)
+        # A session of its own: a terminal's Ctrl-C is the master's to handle, which
+        # stops this server after its workers (and PR_SET_PDEATHSIG if it dies).
+        self.proc = subprocess.Popen(
+            [*argv, ",".join(self.preload)],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         return True
 
     def stop(self) -> None:

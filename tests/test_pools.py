@@ -337,7 +337,8 @@ def test_another_pools_space_is_redirected_to_a_live_host_of_it_else_demanded(
     r = deploy(c, "u/big", gpu_tar(echo_space(marks)), "big.tar")
     assert r.status_code == 200, r.text
     assert r.json()["pool"] == "gpu" and r.json()["hosts"] == {"applied": 2, "live": 2}
-    assert importers(marks) == {c.worker_pids().pop()}  # validated by the receiving host
+    # Validated by the receiving host: forked by its fork server, or spawned by its worker.
+    assert importers(marks) and importers(marks) <= {*c.worker_pids(), c.forkserver_pid()}
     assert deploy(c, "u/small", HANDLE.encode(), "small.py").status_code == 200
 
     r = CLIENT.get(c.url + "/s/u/big/a/b?q=1&r=%20")
