@@ -32,6 +32,7 @@ from polyserve.deploys import Deploys, rollback_request
 from polyserve.dispatch import Dispatch, answer
 from polyserve.errors import ClientError
 from polyserve.logstore import LogStore
+from polyserve.mapped import mapped_by_space
 from polyserve.meter import CELLS, Meter
 from polyserve.shm import Table
 from polyserve.spaces import Registry
@@ -263,10 +264,23 @@ class ControlPlane:
             answer = {"host": meter.host_usage(self._snapshot())}
         elif scope == "host":
             answer = meter.usage(self._snapshot())
+            await self._add_mapped(answer["spaces"])  # type: ignore[arg-type]
         else:
             raise ClientError(400, "scope must be `host` (the default) or `fleet`")
         # orjson: the stdlib's encoder was most of the answer at 10,000 spaces.
         return Response(orjson.dumps(answer), media_type="application/json")
+
+    async def _add_mapped(self, spaces: dict[str, dict[str, object]]) -> None:
+        """Each space's `mapped_kib`: its version files the workers map (model weights
+        through polyserve.models), counted once for the host (polyserve/mapped.py)."""
+        host = self.running
+        pids = [pid for pid in host.table.pids.tolist() if pid]
+        # On a host thread: reading every worker's maps is a few system calls each.
+        mapped = await anyio.to_thread.run_sync(
+            mapped_by_space, host.store.spaces_dir, pids, limiter=host.deploys.threads
+        )
+        for name, row in spaces.items():
+            row["mapped_kib"] = mapped.get(name, 0) // 1024
 
     async def fleet(self, request: Request) -> Response:
         """The fleet's hosts: live or not, and the last change each has applied."""
