@@ -89,7 +89,13 @@ def onnx_session(
     options.add_session_config_entry(
         "session.model_external_initializers_file_folder_path", str(path.parent)
     )
-    return ort.InferenceSession(rewritten, options, providers=list(providers))
+    try:
+        return ort.InferenceSession(rewritten, options, providers=list(providers))
+    except Exception as exc:  # onnxruntime raises its own classes, not exported alike
+        # An onnxruntime without that setting (an older release) cannot place the
+        # external data: the model loads from its path, unshared, or raises its own error.
+        log.warning("%s: loading the model unshared (%s)", path.name, exc)
+        return ort.InferenceSession(str(path), options, providers=list(providers))
 
 
 def skeleton(path: str | os.PathLike[str], min_bytes: int = MIN_BYTES) -> tuple[bytes | None, int]:

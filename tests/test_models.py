@@ -64,6 +64,40 @@ def test_the_shared_session_answers_as_a_plain_one(small_model):
     assert np.allclose(shared, reference, rtol=1e-4, atol=1e-4)
 
 
+def test_convolution_and_gemm_weights_stay_mapped_and_answer_alike(tmp_path):
+    """Conv and Gemm weights are mapped from the file (as usage counts them) and answer as plain."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(2)
+    conv = rng.standard_normal((64, 32, 3, 3), dtype=np.float32)
+    gemm = rng.standard_normal((64, 1024), dtype=np.float32)
+    nodes = [
+        helper.make_node("Conv", ["X", "CW"], ["C"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["C"], ["R"]),
+        helper.make_node("GlobalAveragePool", ["R"], ["P"]),
+        helper.make_node("Flatten", ["P"], ["F"]),
+        helper.make_node("Gemm", ["F", "GW"], ["Y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "conv",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 32, 8, 8])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, 1024])],
+        [numpy_helper.from_array(conv, "CW"), numpy_helper.from_array(gemm, "GW")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "spaces" / "o" / "n" / "versions" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(model.SerializeToString())
+    x = rng.standard_normal((3, 32, 8, 8), dtype=np.float32)
+    session = models.onnx_session(path)
+    (y,) = session.run(None, {"X": x})
+    weights = conv.nbytes + gemm.nbytes
+    assert weights <= mapped.mapped_by_space(tmp_path / "spaces", [os.getpid()])["o/n"]
+    assert np.allclose(y, plain(path).run(None, {"X": x})[0], rtol=1e-4, atol=1e-3)
+
+
 def test_a_session_adds_no_copy_of_the_weights_to_anonymous_memory(tmp_path):
     """A shared session of a 40 MiB model adds under a tenth of it to RssAnon; a plain one all."""
     path = tmp_path / "model.onnx"
@@ -227,6 +261,9 @@ def test_four_workers_hold_one_copy_of_a_model(host4, big_tar):
     assert usage["workers_loaded"] == 4
     assert abs(usage["mapped_kib"] * 1024 - COPY) < COPY / 100  # counted once, not 4 times
     assert usage["memory_kib"] * 1024 < COPY / 10
+    metric = 'polyserve_space_mapped_bytes{space="models/one-copy"} '
+    (line,) = [x for x in host4.get("/metrics").text.splitlines() if x.startswith(metric)]
+    assert float(line.split()[-1]) // 1024 == usage["mapped_kib"]
 
 
 def test_the_validators_import_leaves_no_copy_behind(host4, big_tar):
