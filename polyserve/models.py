@@ -170,9 +170,12 @@ class _Walk:
         self.moved += 1
         self.large += length
         kept.append(_tag(_TENSOR_DATA_LOCATION, _VARINT) + _encode_varint(1))
-        for key, text in ((b"location", self.location), (b"offset", b"%d" % offset)):
-            kept.append(_entry(key, text))
-        kept.append(_entry(b"length", b"%d" % length))
+        where = (
+            (b"location", self.location),
+            (b"offset", b"%d" % offset),
+            (b"length", b"%d" % length),
+        )
+        kept += (_entry(key, value) for key, value in where)
         return b"".join(kept)
 
     def _external_length(self, start: int, end: int) -> int:
