@@ -99,7 +99,7 @@ def test_convolution_and_gemm_weights_stay_mapped_and_answer_alike(tmp_path):
 
 
 def test_a_session_adds_no_copy_of_the_weights_to_anonymous_memory(tmp_path):
-    """A shared session of a 40 MiB model adds under a tenth of it to RssAnon; a plain one all."""
+    """A shared session of 40 MiB adds under a tenth of it to RssAnon; plain or prepack=True all."""
     path = tmp_path / "model.onnx"
     path.write_bytes(matmul.model(*BIG))
     script = textwrap.dedent(
@@ -110,8 +110,8 @@ def test_a_session_adds_no_copy_of_the_weights_to_anonymous_memory(tmp_path):
             with open("/proc/self/status") as f:
                 return next(int(l.split()[1]) << 10 for l in f if l.startswith("RssAnon"))
         before = anon()
-        if sys.argv[2] == "shared":
-            s = onnx_session(sys.argv[1])
+        if sys.argv[2] in ("shared", "prepacked"):
+            s = onnx_session(sys.argv[1], prepack=sys.argv[2] == "prepacked")
         else:
             s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
         s.run(None, {"X": np.ones((1, __K__), np.float32)})
@@ -120,10 +120,11 @@ def test_a_session_adds_no_copy_of_the_weights_to_anonymous_memory(tmp_path):
     ).replace("__K__", str(BIG[0]))
     added = {
         how: int(subprocess.check_output([sys.executable, "-c", script, str(path), how], cwd=REPO))
-        for how in ("shared", "plain")
+        for how in ("shared", "plain", "prepacked")
     }
     assert added["shared"] < COPY / 10, added
     assert added["plain"] > COPY * 0.9, added
+    assert added["prepacked"] > COPY * 0.9, added  # prepack=True: a copy again, by choice
 
 
 def test_a_model_without_large_tensors_loads_unchanged():
