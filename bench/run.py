@@ -432,6 +432,23 @@ def scenario_preload(args, tmp: Path) -> dict:
     }
 
 
+def scenario_sharing(args, tmp: Path) -> dict:
+    result = run_script("sharing.py", "--calls", str(max(20, args.rounds * 10)))
+    shared, ratios = result["shared"], result["ratios"]
+    return {
+        "a": "a generated 20 MiB MatMul model on 8 workers, loaded with"
+        " polyserve.models.onnx_session",
+        "b": "the same model as a plain onnxruntime.InferenceSession (a copy per worker),"
+        " on a second 8-worker host, calls alternated with A's",
+        "goal": "the host's memory for the model <= 1.5 copies; first request after a release"
+        " and warm 1-row request within 10% of B's (or faster)",
+        "met": shared["host_memory_copies"] <= 1.5
+        and ratios["first_after_release"] <= 1.1
+        and ratios["warm_1_rows"] <= 1.1,
+        **result,
+    }
+
+
 def scenario_dependencies(args, tmp: Path) -> dict:
     result = run_script("deps.py", "--rounds", str(max(5, args.rounds * 2)))
     return {
@@ -477,6 +494,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
     "preload": scenario_preload,
     "autoscale": scenario_autoscale,
     "dependencies": scenario_dependencies,
+    "model sharing": scenario_sharing,
 }
 
 

@@ -425,6 +425,17 @@ SPEC: dict[str, Any] = {
                                 "busy_ms": {"type": "integer"},
                                 "warm_s": {"type": "integer"},
                                 "loaded": {"type": "boolean"},
+                                "memory_kib": {
+                                    "type": "integer",
+                                    "description": "anonymous memory (RssAnon) the latest"
+                                    " load added to its worker",
+                                },
+                                "mapped_kib": {
+                                    "type": "integer",
+                                    "description": "the space's own files mapped by the"
+                                    " host's workers (model weights through"
+                                    " polyserve.models), each range counted once per host",
+                                },
                             },
                         },
                     },

@@ -63,9 +63,12 @@ _SPACE_METRICS: tuple[tuple[str, bool, str, Callable[[Snapshot], np.ndarray]], .
 
 
 class _SnapshotCollector:
-    def __init__(self, snap: Snapshot, fleet: tuple[int, int] | None) -> None:
+    def __init__(
+        self, snap: Snapshot, fleet: tuple[int, int] | None, mapped: dict[str, int] | None
+    ) -> None:
         self.snap = snap
         self.fleet = fleet
+        self.mapped = mapped
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snap
@@ -75,6 +78,15 @@ class _SnapshotCollector:
             )
             for space, value in zip(snap.names, values(snap).tolist(), strict=True):
                 family.add_metric([space], value)
+            yield family
+        if self.mapped is not None:
+            family = GaugeMetricFamily(
+                "polyserve_space_mapped_bytes",
+                "The space's own files mapped by the host's workers, each range counted once.",
+                labels=["space"],
+            )
+            for space in snap.names:
+                family.add_metric([space], self.mapped.get(space, 0))
             yield family
         yield GaugeMetricFamily("polyserve_workers", "Live worker processes.", value=snap.workers)
         yield GaugeMetricFamily(
@@ -99,9 +111,12 @@ class _SnapshotCollector:
             )
 
 
-def exposition(snap: Snapshot, fleet: tuple[int, int] | None = None) -> bytes:
+def exposition(
+    snap: Snapshot, fleet: tuple[int, int] | None = None, mapped: dict[str, int] | None = None
+) -> bytes:
     """The Prometheus text format for one usage snapshot; in a fleet, with this host's
-    lag: `fleet` is (the last change it applied, the fleet's last change)."""
+    lag: `fleet` is (the last change it applied, the fleet's last change); `mapped` the
+    bytes each space's files are mapped for (polyserve/mapped.py)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snap, fleet))
+    registry.register(_SnapshotCollector(snap, fleet, mapped))
     return generate_latest(registry)

@@ -67,3 +67,16 @@ def test_make_bench_runs_one_short_round(tmp_path):
     assert len(scenario["c32"]["rps_ratio_per_round"]) == 1 and scenario["c32"]["a_rps"] > 0
     assert "## dispatch overhead" in (tmp_path / "BENCHMARKS.md").read_text()
     assert next(tmp_path.glob("*.png")).stat().st_size > 0
+
+
+@pytest.mark.gunicorn  # bench/sharing.py starts two hosts
+def test_sharing_bench_runs_one_short_round():
+    result = run_bench("sharing.py", "--workers", "2", "--calls", "2")
+    assert result["workers"] == 2 and result["calls"] == 2
+    assert result["shared"]["mapped_kib"] > 0 and result["plain"]["mapped_kib"] == 0
+    assert set(result["ratios"]) == {
+        "first_after_release",
+        "warm_1_rows",
+        "warm_8_rows",
+        "warm_64_rows",
+    }

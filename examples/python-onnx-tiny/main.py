@@ -8,22 +8,20 @@ import json
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from starlette.responses import JSONResponse
+
+from polyserve.models import onnx_session
 
 HERE = Path(__file__).resolve().parent
 META = json.loads((HERE / "model.json").read_text())
 MAX_BATCH = 1024
 FEATURES = 64
 
-options = ort.SessionOptions()
-# One thread: the default starts a pool per session (hundreds of threads for hundreds of
-# spaces), and a 4 KB model has no work to split.
-options.intra_op_num_threads = 1
-options.inter_op_num_threads = 1
-session = ort.InferenceSession(
-    str(HERE / "model.onnx"), options, providers=["CPUExecutionProvider"]
-)
+# One copy per host: a model's large weights stay pages of model.onnx that every worker
+# shares (docs/models.md); a 4 KB model like this one loads as a plain session. One
+# intra-op and one inter-op thread: the default starts a pool per session (hundreds of
+# threads for hundreds of spaces), and a 4 KB model has no work to split.
+session = onnx_session(HERE / "model.onnx")
 INPUT = session.get_inputs()[0].name
 
 
