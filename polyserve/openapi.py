@@ -425,6 +425,15 @@ SPEC: dict[str, Any] = {
                                 "busy_ms": {"type": "integer"},
                                 "warm_s": {"type": "integer"},
                                 "loaded": {"type": "boolean"},
+                                "evictions": {
+                                    "type": "object",
+                                    "description": "releases of the space by a worker, by"
+                                    " reason: idle (POLYSERVE_IDLE_TTL), memory"
+                                    " (POLYSERVE_WORKER_MEMORY_MB), demand (a release)",
+                                    "properties": {
+                                        r: {"type": "integer"} for r in ("idle", "memory", "demand")
+                                    },
+                                },
                             },
                         },
                     },
