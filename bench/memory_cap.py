@@ -120,7 +120,8 @@ def main() -> None:
         print(f"published in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         capped = run(data_dir, args.spaces, args.passes, args.cap_mb)
         uncapped = run(data_dir, args.spaces, args.passes, 0)
-    print(json.dumps({"spaces": args.spaces, "mib": args.mib, "a": capped, "b": uncapped}))
+    out = {"spaces": args.spaces, "mib": args.mib, "capped": capped, "uncapped": uncapped}
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

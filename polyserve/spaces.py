@@ -284,8 +284,8 @@ class Registry:
         while (memory := self.memory()) + need > cap:
             # Down to HEADROOM under the cap, so the next loads need no collection.
             dropping = self._evict(space, memory + need - int(cap * (1 - HEADROOM)))
-            if not dropping:
-                raise NoRoom(space, memory, need, cap)
+            if not dropping:  # the size it says: the estimate, or after a load, the load's
+                raise NoRoom(space, memory, need or self._sizes.get(space, 0), cap)
             await self._collect_after(dropping)
 
     def _evict(self, space: str, excess: int) -> list[asyncio.Task[None]]:

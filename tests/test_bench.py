@@ -39,8 +39,9 @@ def test_cold_start_bench_runs_one_short_round():
 def test_memory_cap_bench_runs_one_short_round():
     """A few spaces, capped and not: both runs answer every request."""
     result = run_bench("memory_cap.py", "--spaces", "12", "--mib", "4", "--passes", "1")
-    assert result["a"]["requests"] == result["b"]["requests"] == 12
-    assert result["a"]["cold_starts"] == result["b"]["cold_starts"] == 12
+    capped, uncapped = result["capped"], result["uncapped"]
+    assert capped["requests"] == uncapped["requests"] == 12
+    assert capped["cold_starts"] == uncapped["cold_starts"] == 12
 
 
 @pytest.mark.gunicorn  # bench/run.py starts hosts
