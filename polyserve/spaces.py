@@ -51,13 +51,18 @@ class NoRoom(Exception):
     """A load would take the worker over its memory cap even with every idle space
     released: the other spaces held have requests in flight."""
 
-    def __init__(self, space: str, memory: int, need: int, cap: int) -> None:
+    def __init__(self, space: str, memory: int, need: int, cap: int, busy: int) -> None:
         mib = 1 << 20
+        why = (
+            f"the {busy} other spaces it holds have requests in flight; retry in"
+            f" {NO_ROOM_RETRY_S} s"
+            if busy
+            else "it holds no other space: the cap is too small for this space"
+        )
         super().__init__(
             f"space {space} does not fit in this worker's memory now: it is at"
             f" {memory // mib} MiB of its {cap // mib} MiB cap (POLYSERVE_WORKER_MEMORY_MB),"
-            f" the space's last load took {need // mib} MiB, and every other space it"
-            f" holds has a request in flight; retry in {NO_ROOM_RETRY_S} s"
+            f" the space's last load took {need // mib} MiB, and {why}"
         )
         self.space = space
 
@@ -285,7 +290,8 @@ class Registry:
             # Down to HEADROOM under the cap, so the next loads need no collection.
             dropping = self._evict(space, memory + need - int(cap * (1 - HEADROOM)))
             if not dropping:  # the size it says: the estimate, or after a load, the load's
-                raise NoRoom(space, memory, need or self._sizes.get(space, 0), cap)
+                busy = sum(name != space for name in self.active)
+                raise NoRoom(space, memory, need or self._sizes.get(space, 0), cap, busy)
             await self._collect_after(dropping)
 
     def _evict(self, space: str, excess: int) -> list[asyncio.Task[None]]:

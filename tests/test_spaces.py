@@ -536,3 +536,15 @@ def test_evictions_are_counted_by_reason(capped):
     run(main())
     assert evictions(capped, "o/s") == (1, 1, 1)
     assert evictions(capped, "o/t") == (0, 0, 0)
+
+
+def test_a_space_bigger_than_the_cap_alone_is_refused_saying_so(capped):
+    """With nothing else held, the refusal says the cap is too small, and keeps nothing."""
+    capped.deploy("o/huge", ballast(12))
+
+    async def main():
+        with pytest.raises(NoRoom, match="holds no other space"):
+            await capped.registry.lease("o/huge")
+
+    run(main())
+    assert capped.registry.active == {} and Ballast.held() == 0
