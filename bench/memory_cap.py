@@ -57,7 +57,7 @@ def kib(pid: int, field: str) -> int:
 
 
 def evicted(usage: dict) -> int:
-    return sum(u["evictions"]["memory"] for u in usage["spaces"].values())
+    return sum(u["evicted_memory"] for u in usage["spaces"].values())
 
 
 def p99(values: list[float]) -> float:

@@ -308,7 +308,7 @@ def usage(fleet: bool, as_json: bool, url: str, token: str, timeout: float) -> N
             str(u.get("workers_loaded", 0)),
             human_ms(u.get("last_import_ms")),
             human_bytes((u.get("memory_kib") or 0) * 1024),
-            _evictions(u.get("evictions") or {}),
+            _evictions(u),
         ]
         for name, u in spaces
     ]
@@ -322,8 +322,8 @@ def usage(fleet: bool, as_json: bool, url: str, token: str, timeout: float) -> N
     )
 
 
-def _evictions(e: dict[str, int]) -> str:
-    return "/".join(f"{e.get(reason, 0):,}" for reason in ("idle", "memory", "demand"))
+def _evictions(u: dict[str, Any]) -> str:
+    return "/".join(f"{u.get('evicted_' + reason, 0):,}" for reason in ("idle", "memory", "demand"))
 
 
 def _billing(name: str, u: dict[str, Any]) -> list[str]:

@@ -73,7 +73,7 @@ BILLED = TOTALS[:6]
 _TOTAL_CELLS = [int(c) for c in TOTALS]
 TOTAL_NAMES = tuple(c.name.lower() for c in TOTALS)  # as checkpoints name them
 BILLED_NAMES = TOTAL_NAMES[: len(BILLED)]  # as the fleet's ledger names them
-# Why a worker let a space go, as the usage answer names it.
+# Why a worker let a space go, as the usage answer (evicted_<reason>) and Prometheus name it.
 EVICTIONS = {
     "idle": Cell.EVICTED_IDLE,
     "memory": Cell.EVICTED_MEMORY,
@@ -264,10 +264,9 @@ def usage(snap: Snapshot) -> dict[str, object]:
         snap.workers_loaded.tolist(),
         (snap.last_import_us / 1000).round(3).tolist(),
         (snap.memory_bytes // 1024).tolist(),
-        [
-            {"idle": i, "memory": m, "demand": d}
-            for i, m, d in t[:, list(EVICTIONS.values())].tolist()
-        ],
+        t[:, Cell.EVICTED_IDLE].tolist(),
+        t[:, Cell.EVICTED_MEMORY].tolist(),
+        t[:, Cell.EVICTED_DEMAND].tolist(),
         strict=True,
     )
     spaces = {
@@ -281,9 +280,12 @@ def usage(snap: Snapshot) -> dict[str, object]:
             "workers_loaded": wl,
             "last_import_ms": li,
             "memory_kib": k,
-            "evictions": ev,
+            # Flat: a nested object per space made the answer 70% slower at 10,000.
+            "evicted_idle": ei,
+            "evicted_memory": em,
+            "evicted_demand": ed,
         }
-        for name, r, b, w, lo, e, c, wl, li, k, ev in columns
+        for name, r, b, w, lo, e, c, wl, li, k, ei, em, ed in columns
     }
     return {"spaces": spaces, "host": host_usage(snap)}
 

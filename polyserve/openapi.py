@@ -425,14 +425,13 @@ SPEC: dict[str, Any] = {
                                 "busy_ms": {"type": "integer"},
                                 "warm_s": {"type": "integer"},
                                 "loaded": {"type": "boolean"},
-                                "evictions": {
-                                    "type": "object",
-                                    "description": "releases of the space by a worker, by"
-                                    " reason: idle (POLYSERVE_IDLE_TTL), memory"
-                                    " (POLYSERVE_WORKER_MEMORY_MB), demand (a release)",
-                                    "properties": {
-                                        r: {"type": "integer"} for r in ("idle", "memory", "demand")
-                                    },
+                                **{
+                                    f"evicted_{reason}": {"type": "integer", "description": doc}
+                                    for reason, doc in (
+                                        ("idle", "releases after POLYSERVE_IDLE_TTL idle"),
+                                        ("memory", "releases under POLYSERVE_WORKER_MEMORY_MB"),
+                                        ("demand", "releases on demand, one per worker"),
+                                    )
                                 },
                             },
                         },
