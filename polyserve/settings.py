@@ -153,7 +153,7 @@ SETTINGS: tuple[Setting, ...] = (
         "worker_memory_mb",
         non_negative_int,
         default_worker_memory_mb,
-        "Memory cap (MiB of RSS) of each worker: past it, a load first releases the"
+        "Memory cap (MiB of anonymous RSS) of each worker: past it, a load first releases the"
         " least recently used idle spaces, and a load that still does not fit is answered"
         " 503 with Retry-After (0: no cap).",
         "MemTotal / 2 / POLYSERVE_WORKERS",

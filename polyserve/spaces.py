@@ -16,7 +16,7 @@ import anyio.to_thread
 from polyserve import loader
 from polyserve.broadcast import Broadcast
 from polyserve.errors import ClientError
-from polyserve.meter import Cell, Meter, anon_bytes, rss_bytes
+from polyserve.meter import Cell, Meter, anon_bytes
 from polyserve.names import parse_space
 from polyserve.store import Store, Version
 
@@ -97,7 +97,7 @@ class Registry:
         fetch: Callable[[Version], None] | None = None,
         pool: str | None = None,
         memory_cap: int = 0,
-        memory: Callable[[], int] = rss_bytes,
+        memory: Callable[[], int] = anon_bytes,
     ) -> None:
         self.store = store
         self.broadcast = broadcast
@@ -114,11 +114,13 @@ class Registry:
         # In a fleet, the only pool whose spaces this worker imports; None (a single
         # host) imports every space whatever its pool.
         self.pool = pool
-        # Bytes of RSS this worker keeps under (0: no cap), and how it reads its RSS:
-        # only around loads, never on a warm request.
+        # Bytes of anonymous RSS this worker keeps under (0: no cap), and how it reads
+        # them: only around loads, never on a warm request. Anonymous, because without
+        # swap that is what runs a host out of memory: file-backed pages (libraries, a
+        # model mapped from its file, shared by every worker) the kernel can drop.
         self.memory_cap = memory_cap
         self.memory = memory
-        # What each space's latest load added to the RSS: the estimate of its next one.
+        # What each space's latest load added: the estimate of its next one.
         self._sizes: dict[str, int] = {}
         # Another pool's spaces, with the generation at which that was found: until the
         # word moves (a deploy or a delete), a request for one is sent elsewhere at once.
@@ -283,7 +285,7 @@ class Registry:
 
     async def _make_room(self, space: str, need: int) -> None:
         """Release the least recently used idle spaces (never `space`, one loading, or
-        one with a request in flight) until the RSS plus `need` is under the cap; NoRoom
+        one with a request in flight) until memory plus `need` is under the cap; NoRoom
         when that is not possible."""
         cap = self.memory_cap
         while (memory := self.memory()) + need > cap:
@@ -318,7 +320,7 @@ class Registry:
 
     async def _collect_after(self, dropping: list[asyncio.Task[None]]) -> None:
         """Wait for dropped spaces to stop, then collect at once: freed memory leaves the
-        RSS only after the cycle collector and malloc_trim, and the cap is read from it."""
+        RSS only after the cycle collector and malloc_trim, and the cap reads the RSS."""
         await asyncio.gather(*dropping, return_exceptions=True)
         if self._collect_at is not None:
             self._collect_at.cancel()
