@@ -96,6 +96,7 @@ async def running_host(
         fetch=fleet.fetch if fleet is not None else None,
         # Pools apply only in a fleet: a single host serves every space it is given.
         pool=s.pool if fleet is not None else None,
+        memory_cap=s.worker_memory_mb << 20,
     )
     deadlines = Deadlines(s.request_timeout)
     host = Host(

@@ -16,7 +16,7 @@ from polyserve import loader, spacelog
 from polyserve.deadlines import Deadlines
 from polyserve.errors import ClientError
 from polyserve.meter import Meter
-from polyserve.spaces import NotDeployed, OtherPool, Registry
+from polyserve.spaces import NO_ROOM_RETRY_S, NoRoom, NotDeployed, OtherPool, Registry
 
 if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
     from polyserve.fleet.pools import PoolRouter
@@ -65,6 +65,13 @@ class Dispatch:
                 # Not this host's to run: the request is counted nowhere (slot is None).
                 status = await self._elsewhere(exc, scope, receive, send)
                 return
+            except NoRoom as exc:
+                # This host's space, refused for now: counted as a request and an error,
+                # like a failed load, so the usage shows what the cap costs a space.
+                slot, status = self.registry.slot_of(space), 503
+                body = {"error": str(exc), "space": space}
+                retry = {"retry-after": str(NO_ROOM_RETRY_S)}
+                return await answer(scope, receive, send, 503, body, retry)
             except Exception as exc:
                 slot = self.registry.slot_of(space)
                 if isinstance(exc, loader.LoadError):

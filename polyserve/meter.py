@@ -11,6 +11,9 @@ Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserv
     IMPORT_US        µs spent importing and starting, all loads together
     LAST_IMPORT_US   µs of the latest load
     MEMORY_BYTES     anonymous memory the latest load added to its worker
+    EVICTED_IDLE     releases after POLYSERVE_IDLE_TTL idle seconds
+    EVICTED_MEMORY   releases to keep the worker under POLYSERVE_WORKER_MEMORY_MB
+    EVICTED_DEMAND   releases on demand (POST …/release), one per worker holding it
 
 A worker writes only its own row, and only from its event-loop thread (sync handlers
 run in the threadpool, but their requests are metered by the dispatcher on the loop),
@@ -44,6 +47,9 @@ class Cell(IntEnum):
     IMPORT_US = 6
     LAST_IMPORT_US = 7
     MEMORY_BYTES = 8
+    EVICTED_IDLE = 9
+    EVICTED_MEMORY = 10
+    EVICTED_DEMAND = 11
 
 
 CELLS = len(Cell)
@@ -51,9 +57,28 @@ CELLS = len(Cell)
 _REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
 # Counters that only grow: what a checkpoint saves, a restart restores, and a slot
 # handed over to another space keeps for its old owner (store.Ledger).
-TOTALS = (Cell.REQUESTS, Cell.ERRORS, Cell.BUSY_US, Cell.RESIDENT_US, Cell.LOADS, Cell.IMPORT_US)
+# The first six are the billing totals, the columns of the fleet's usage ledger (BILLED).
+TOTALS = (
+    Cell.REQUESTS,
+    Cell.ERRORS,
+    Cell.BUSY_US,
+    Cell.RESIDENT_US,
+    Cell.LOADS,
+    Cell.IMPORT_US,
+    Cell.EVICTED_IDLE,
+    Cell.EVICTED_MEMORY,
+    Cell.EVICTED_DEMAND,
+)
+BILLED = TOTALS[:6]
 _TOTAL_CELLS = [int(c) for c in TOTALS]
-TOTAL_NAMES = tuple(c.name.lower() for c in TOTALS)  # as checkpoints and the fleet name them
+TOTAL_NAMES = tuple(c.name.lower() for c in TOTALS)  # as checkpoints name them
+BILLED_NAMES = TOTAL_NAMES[: len(BILLED)]  # as the fleet's ledger names them
+# Why a worker let a space go, as the usage answer (evicted_<reason>) and Prometheus name it.
+EVICTIONS = {
+    "idle": Cell.EVICTED_IDLE,
+    "memory": Cell.EVICTED_MEMORY,
+    "demand": Cell.EVICTED_DEMAND,
+}
 
 
 def now_us() -> int:
@@ -97,6 +122,10 @@ class Meter:
         words[base + Cell.MEMORY_BYTES] = max(memory_bytes, 0)
         if words[base + Cell.LOADED_SINCE_US] == 0:  # a swap does not restart the stretch
             words[base + Cell.LOADED_SINCE_US] = max(started, 1)  # 0 means "not loaded"
+
+    def evicted(self, slot: int, cell: Cell) -> None:
+        """The worker let the space go for the reason `cell` (one of EVICTIONS)."""
+        self.words[self._row + slot * CELLS + cell] += 1
 
     def released(self, slot: int) -> None:
         """This worker holds no version of the space any more: fold its residency."""
@@ -167,14 +196,19 @@ def _by_name(table: Table, summed: np.ndarray, ledger: Ledger) -> tuple[list[str
     t = summed[:n].copy()
     for slot, offset in ledger.offsets.items():
         if slot < n:
-            t[slot, _TOTAL_CELLS] += offset
+            t[slot, _TOTAL_CELLS] += _widen(offset)
     names = ledger.names[:n]
     if ledger.retired:
         extra = np.zeros((len(ledger.retired), t.shape[1]), dtype=np.int64)
-        extra[:, _TOTAL_CELLS] = list(ledger.retired.values())
+        extra[:, _TOTAL_CELLS] = [_widen(v) for v in ledger.retired.values()]
         t = np.vstack([t, extra])
         names = names + list(ledger.retired)
     return names, t
+
+
+def _widen(values: tuple[int, ...]) -> tuple[int, ...]:
+    """Totals from a slot log written before TOTALS grew: the newer ones are 0."""
+    return values + (0,) * (len(TOTALS) - len(values))
 
 
 @dataclass(frozen=True)
@@ -230,6 +264,9 @@ def usage(snap: Snapshot) -> dict[str, object]:
         snap.workers_loaded.tolist(),
         (snap.last_import_us / 1000).round(3).tolist(),
         (snap.memory_bytes // 1024).tolist(),
+        t[:, Cell.EVICTED_IDLE].tolist(),
+        t[:, Cell.EVICTED_MEMORY].tolist(),
+        t[:, Cell.EVICTED_DEMAND].tolist(),
         strict=True,
     )
     spaces = {
@@ -243,8 +280,12 @@ def usage(snap: Snapshot) -> dict[str, object]:
             "workers_loaded": wl,
             "last_import_ms": li,
             "memory_kib": k,
+            # Flat: a nested object per space made the answer 70% slower at 10,000.
+            "evicted_idle": ei,
+            "evicted_memory": em,
+            "evicted_demand": ed,
         }
-        for name, r, b, w, lo, e, c, wl, li, k in columns
+        for name, r, b, w, lo, e, c, wl, li, k, ei, em, ed in columns
     }
     return {"spaces": spaces, "host": host_usage(snap)}
 
@@ -262,10 +303,12 @@ def host_usage(snap: Snapshot) -> dict[str, object]:
 # -- checkpoint and restore ------------------------------------------------------------
 
 
-def totals_by_name(table: Table, ledger: Ledger, now: int) -> dict[str, tuple[int, ...]]:
-    """Every space's TOTALS (in that order), open stretches counted up to `now`."""
+def totals_by_name(
+    table: Table, ledger: Ledger, now: int, cells: tuple[Cell, ...] = TOTALS
+) -> dict[str, tuple[int, ...]]:
+    """Every space's `cells` (in that order), open stretches counted up to `now`."""
     names, t = _by_name(table, totals(table, now), ledger)
-    rows = t[:, _TOTAL_CELLS].tolist()
+    rows = t[:, [int(c) for c in cells]].tolist()
     return {name: tuple(row) for name, row in zip(names, rows, strict=True)}
 
 
@@ -300,7 +343,7 @@ def checkpoint_totals(path: Path, ledger: Ledger) -> np.ndarray | None:
         for key, value in saved.get(name, {}).items():
             t[slot, Cell[key.upper()]] = value
         if slot in ledger.offsets:
-            t[slot, _TOTAL_CELLS] -= ledger.offsets[slot]
+            t[slot, _TOTAL_CELLS] -= _widen(ledger.offsets[slot])
     return t
 
 

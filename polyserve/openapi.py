@@ -436,6 +436,14 @@ SPEC: dict[str, Any] = {
                                     " host's workers (model weights through"
                                     " polyserve.models), each range counted once per host",
                                 },
+                                **{
+                                    f"evicted_{reason}": {"type": "integer", "description": doc}
+                                    for reason, doc in (
+                                        ("idle", "releases after POLYSERVE_IDLE_TTL idle"),
+                                        ("memory", "releases under POLYSERVE_WORKER_MEMORY_MB"),
+                                        ("demand", "releases on demand, one per worker"),
+                                    )
+                                },
                             },
                         },
                     },

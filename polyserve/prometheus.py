@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from polyserve.meter import Cell, Snapshot
+from polyserve.meter import EVICTIONS, Cell, Snapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -97,6 +97,16 @@ class _SnapshotCollector:
             "Seconds since the master started.",
             value=snap.uptime_us / 1e6,
         )
+        evictions = CounterMetricFamily(
+            "polyserve_space_evictions",
+            "Releases of the space by a worker, by reason: idle (POLYSERVE_IDLE_TTL), memory"
+            " (POLYSERVE_WORKER_MEMORY_MB) or demand (a release request).",
+            labels=["space", "reason"],
+        )
+        for reason, cell in EVICTIONS.items():
+            for space, value in zip(snap.names, snap.totals[:, cell].tolist(), strict=True):
+                evictions.add_metric([space, reason], value)
+        yield evictions
         if self.fleet is not None:
             applied, last = self.fleet
             yield GaugeMetricFamily(

@@ -37,6 +37,34 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be 0 or more, got {value}")
+    return value
+
+
+# The default worker memory cap: this share of the machine's memory, split among the
+# workers, leaves the rest to the master, the page cache and everything else on the host.
+MEMORY_SHARE = 0.5
+
+
+def memory_total_mb(meminfo: str = "/proc/meminfo") -> int:
+    """The machine's memory (MemTotal) in MiB; 0 where /proc/meminfo is not there."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return 0
+
+
+def default_worker_memory_mb(values: dict[str, Any]) -> int:
+    return int(memory_total_mb() * MEMORY_SHARE) // values["workers"]
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:
@@ -120,6 +148,15 @@ SETTINGS: tuple[Setting, ...] = (
         positive_float,
         const(900.0),
         "Seconds a space may sit unused in a worker before it is released.",
+    ),
+    Setting(
+        "worker_memory_mb",
+        non_negative_int,
+        default_worker_memory_mb,
+        "Memory cap (MiB of anonymous RSS) of each worker: past it, a load first releases the"
+        " least recently used idle spaces, and a load that still does not fit is answered"
+        " 503 with Retry-After (0: no cap).",
+        "MemTotal / 2 / POLYSERVE_WORKERS",
     ),
     Setting(
         "request_timeout",
@@ -328,6 +365,7 @@ class Settings:
     workers: int
     data_dir: str
     idle_ttl: float
+    worker_memory_mb: int
     request_timeout: float
     worker_timeout: int
     deploy_token_sha256: str  # from either token variable; the plaintext is never kept

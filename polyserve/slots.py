@@ -13,6 +13,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
 from polyserve.errors import ClientError
@@ -134,9 +135,10 @@ class SlotLog:
         return Ledger(list(self._names), offsets, retired)
 
 
+# A log written before meter.TOTALS grew has shorter tuples: the missing totals are 0.
 def _plus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(x + y for x, y in zip(a, b, strict=True))
+    return tuple(x + y for x, y in zip_longest(a, b, fillvalue=0))
 
 
 def _minus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(x - y for x, y in zip(a, b, strict=True))
+    return tuple(x - y for x, y in zip_longest(a, b, fillvalue=0))

@@ -1,4 +1,5 @@
-"""The per-worker registry: load spaces on demand, hot swap, drain in-flight, idle release."""
+"""The per-worker registry: load spaces on demand, hot swap, drain in-flight, release (idle
+TTL, least recently used under the worker's memory cap, on demand)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ import anyio.to_thread
 from polyserve import loader
 from polyserve.broadcast import Broadcast
 from polyserve.errors import ClientError
-from polyserve.meter import Meter, anon_bytes
+from polyserve.meter import Cell, Meter, anon_bytes
 from polyserve.names import parse_space
 from polyserve.store import Store, Version
 
 log = logging.getLogger("polyserve")
 COLLECT_INTERVAL_S = 1.0
+# Evicting for memory frees down to this much below the cap, so that the synchronous
+# collection it needs runs once per few loads rather than at every one.
+HEADROOM = 0.05
+NO_ROOM_RETRY_S = 1  # a busy space's requests end soon; then its memory can be let go
 
 
 # glibc's: hands freed heap pages back to the kernel. Other C libraries go without.
@@ -40,6 +45,26 @@ class OtherPool(Exception):
         self.space = space
         self.pool = pool
         self.host_pool = host_pool
+
+
+class NoRoom(Exception):
+    """A load would take the worker over its memory cap even with every idle space
+    released: the other spaces held have requests in flight."""
+
+    def __init__(self, space: str, memory: int, need: int, cap: int, busy: int) -> None:
+        mib = 1 << 20
+        why = (
+            f"the {busy} other spaces it holds have requests in flight; retry in"
+            f" {NO_ROOM_RETRY_S} s"
+            if busy
+            else "it holds no other space: the cap is too small for this space"
+        )
+        super().__init__(
+            f"space {space} does not fit in this worker's memory now: it is at"
+            f" {memory // mib} MiB of its {cap // mib} MiB cap (POLYSERVE_WORKER_MEMORY_MB),"
+            f" the space's last load took {need // mib} MiB, and {why}"
+        )
+        self.space = space
 
 
 @dataclass(eq=False)
@@ -71,6 +96,8 @@ class Registry:
         host_limiter: anyio.CapacityLimiter | None = None,
         fetch: Callable[[Version], None] | None = None,
         pool: str | None = None,
+        memory_cap: int = 0,
+        memory: Callable[[], int] = anon_bytes,
     ) -> None:
         self.store = store
         self.broadcast = broadcast
@@ -87,6 +114,14 @@ class Registry:
         # In a fleet, the only pool whose spaces this worker imports; None (a single
         # host) imports every space whatever its pool.
         self.pool = pool
+        # Bytes of anonymous RSS this worker keeps under (0: no cap), and how it reads
+        # them: only around loads, never on a warm request. Anonymous, because without
+        # swap that is what runs a host out of memory: file-backed pages (libraries, a
+        # model mapped from its file, shared by every worker) the kernel can drop.
+        self.memory_cap = memory_cap
+        self.memory = memory
+        # What each space's latest load added: the estimate of its next one.
+        self._sizes: dict[str, int] = {}
         # Another pool's spaces, with the generation at which that was found: until the
         # word moves (a deploy or a delete), a request for one is sent elsewhere at once.
         self._other_pool: dict[str, tuple[int, str]] = {}
@@ -160,7 +195,7 @@ class Registry:
     async def _load_once(self, space: str, slot: int, generation: int) -> Active:
         try:
             return await self._load(space, slot, generation)
-        except loader.LoadError as exc:
+        except (loader.LoadError, NoRoom) as exc:
             log.warning("loading %s failed: %s", space, exc)
             raise
         finally:
@@ -194,8 +229,15 @@ class Registry:
             self._unhold(space, slot, version.number)  # the Active holds it already
             current.generation = generation  # a bump that did not change the version
             return current
+        if current is not None and current.releases != releases:
+            # Released on demand while this worker missed the signal: re-imported below.
+            self.meter.evicted(slot, Cell.EVICTED_DEMAND)
         started, started_us, anon_before = self.clock(), self.meter.clock(), anon_bytes()
+        memory_before = 0
         try:
+            if self.memory_cap:
+                await self._make_room(space, self._sizes.get(space, 0))
+                memory_before = self.memory()
             if not version.dir.is_dir():
                 await self._fetch(version)
             imported = await anyio.to_thread.run_sync(
@@ -214,12 +256,24 @@ class Registry:
             raise
         # Memory the load added: approximate when other work runs at the same time.
         self.meter.loaded(slot, started_us, anon_bytes() - anon_before)
+        if self.memory_cap:
+            self._sizes[space] = max(self.memory() - memory_before, 0)
         now = self.clock()
         active = Active(imported, version, slot, generation, releases, last_used=now)
         # The switch: from here on new requests get the new version.
         self.active[space] = active
         if current is not None:
             self._retire(current)
+        if self.memory_cap:
+            try:  # the estimate was only that: the load may have taken more
+                await self._make_room(space, 0)
+            except NoRoom:
+                self._retire(active)
+                assert active._dropping is not None  # never leased: dropped at once
+                dropping = [active._dropping]
+                del active, imported, current  # nothing may keep them from the collection
+                await self._collect_after(dropping)
+                raise
         log.info(
             "loaded %s v%d (%s) in %.1f ms",
             space,
@@ -228,6 +282,49 @@ class Registry:
             (now - started) * 1000,
         )
         return active
+
+    async def _make_room(self, space: str, need: int) -> None:
+        """Release the least recently used idle spaces (never `space`, one loading, or
+        one with a request in flight) until memory plus `need` is under the cap; NoRoom
+        when that is not possible."""
+        cap = self.memory_cap
+        while (memory := self.memory()) + need > cap:
+            # Down to HEADROOM under the cap, so the next loads need no collection.
+            dropping = self._evict(space, memory + need - int(cap * (1 - HEADROOM)))
+            if not dropping:  # the size it says: the estimate, or after a load, the load's
+                busy = sum(name != space for name in self.active)
+                raise NoRoom(space, memory, need or self._sizes.get(space, 0), cap, busy)
+            await self._collect_after(dropping)
+
+    def _evict(self, space: str, excess: int) -> list[asyncio.Task[None]]:
+        """Retire idle spaces, least recently used first, as many as their last loads
+        say it takes to free `excess` bytes (at least one: a size measured while other
+        loads ran may be 0). Returns their drop tasks, not them: a reference left to a
+        dropped space would keep its memory from the collection."""
+        idle = [
+            a
+            for name, a in self.active.items()
+            if a.inflight == 0 and name != space and name not in self._loading
+        ]
+        idle.sort(key=lambda a: a.last_used)
+        dropping = []
+        for active in idle:
+            self.meter.evicted(active.slot, Cell.EVICTED_MEMORY)
+            self._retire(active)
+            assert active._dropping is not None  # idle: dropped at once
+            dropping.append(active._dropping)
+            excess -= self._sizes.get(active.imported.space, 0)
+            if excess <= 0:
+                break
+        return dropping
+
+    async def _collect_after(self, dropping: list[asyncio.Task[None]]) -> None:
+        """Wait for dropped spaces to stop, then collect at once: freed memory leaves the
+        RSS only after the cycle collector and malloc_trim, and the cap reads the RSS."""
+        await asyncio.gather(*dropping, return_exceptions=True)
+        if self._collect_at is not None:
+            self._collect_at.cancel()
+        self._collect()
 
     async def _fetch(self, version: Version) -> None:
         if self.fetch is None:
@@ -325,7 +422,9 @@ class Registry:
             if generation == active.generation or space in self._loading:
                 continue
             if self.broadcast.releases(slot) != active.releases:
-                self._retire(active)  # released on demand: the next request imports it
+                # Released on demand: the next request imports it.
+                self.meter.evicted(slot, Cell.EVICTED_DEMAND)
+                self._retire(active)
             else:
                 # A failure is logged; the next request retries and reports it.
                 self._start_load(space, slot, generation)
@@ -339,6 +438,7 @@ class Registry:
             if a.inflight == 0 and now - a.last_used >= self.idle_ttl
         ]
         for active in idle:
+            self.meter.evicted(active.slot, Cell.EVICTED_IDLE)
             self._retire(active)
         await self._wait_dropped(idle)
         return [a.imported.space for a in idle]

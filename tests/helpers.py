@@ -12,10 +12,11 @@ import subprocess
 import sys
 import tarfile
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import httpx2 as httpx
 import pytest
@@ -27,6 +28,22 @@ from polyserve.settings import scrubbed_environ
 REPO = Path(__file__).resolve().parent.parent
 
 T = TypeVar("T")
+
+
+class Ballast:
+    """Pretend memory for the registry's memory cap in-process: a space holds one at
+    module level, and it counts until the space's modules are collected."""
+
+    live: ClassVar[weakref.WeakSet[Ballast]] = weakref.WeakSet()
+
+    def __init__(self, mib: int) -> None:
+        self.mib = mib
+        Ballast.live.add(self)
+
+    @staticmethod
+    def held() -> int:
+        """Bytes held by every Ballast still alive: the registry's `memory` in tests."""
+        return sum(b.mib for b in Ballast.live) << 20
 
 
 def make_tar(files: dict[str, str | bytes], gzip: bool = False) -> bytes:

@@ -35,6 +35,15 @@ def test_cold_start_bench_runs_one_short_round():
     assert result["reimport_second_half"]["modules_growth"] == 0
 
 
+@pytest.mark.gunicorn  # starts two one-worker hosts
+def test_memory_cap_bench_runs_one_short_round():
+    """A few spaces, capped and not: both runs answer every request."""
+    result = run_bench("memory_cap.py", "--spaces", "12", "--mib", "4", "--passes", "1")
+    capped, uncapped = result["capped"], result["uncapped"]
+    assert capped["requests"] == uncapped["requests"] == 12
+    assert capped["cold_starts"] == uncapped["cold_starts"] == 12
+
+
 @pytest.mark.gunicorn  # bench/run.py starts hosts
 @pytest.mark.skipif(
     shutil.which("wrk") is None,

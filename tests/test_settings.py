@@ -126,3 +126,14 @@ def test_the_scrubbed_environment_has_no_token_variables(token_env):
     assert scrubbed["POLYSERVE_IDLE_TTL"] == "5" and "PATH" in scrubbed
     given = {"POLYSERVE_DEPLOY_TOKEN": TOKEN, "HOME": "/h"}
     assert settings.scrubbed_environ(given) == {"HOME": "/h"}
+
+
+def test_the_worker_memory_cap_defaults_to_half_the_machine_split_among_the_workers():
+    """MemTotal / 2 / POLYSERVE_WORKERS unless set; 0 means no cap; negative is refused."""
+    total = settings.memory_total_mb()
+    assert total > 0  # Linux: /proc/meminfo
+    assert settings.load({"POLYSERVE_WORKERS": "4"}).worker_memory_mb == total // 2 // 4
+    assert settings.load({"POLYSERVE_WORKER_MEMORY_MB": "0"}).worker_memory_mb == 0
+    for bad in ("-1", "lots"):
+        with pytest.raises(ValueError, match=f"POLYSERVE_WORKER_MEMORY_MB='{bad}'"):
+            settings.load({"POLYSERVE_WORKER_MEMORY_MB": bad})

@@ -10,6 +10,7 @@ import gc
 import io
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,9 @@ from polyserve.broadcast import Broadcast
 from polyserve.deploys import Deploys
 from polyserve.meter import CELLS, Cell, Meter
 from polyserve.shm import Table
-from polyserve.spaces import NotDeployed, OtherPool, Registry
+from polyserve.spaces import NoRoom, NotDeployed, OtherPool, Registry
 from polyserve.store import Store
-from tests.helpers import make_tar
+from tests.helpers import Ballast, make_tar
 
 TTL = 100.0
 
@@ -401,3 +402,149 @@ def test_a_release_reaches_a_worker_that_missed_the_signal(world, monkeypatch):
 
     run(main())
     assert calls == ["o/s", "o/s"]
+
+
+# -- the memory cap ---------------------------------------------------------------------
+
+MIB = 1 << 20
+
+
+def ballast(mib: int) -> str:
+    """A space holding `mib` MiB of pretend memory, and the memory held when it was imported."""
+    return (
+        "from tests.helpers import Ballast\n"
+        "AT_IMPORT = Ballast.held()\n"
+        f"BLOB = Ballast({mib})\n" + version(1)
+    )
+
+
+@pytest.fixture
+def capped(world: World) -> Iterator[World]:
+    """The world's registry under a 10 MiB cap on the Ballast memory its spaces hold."""
+    world.registry.memory_cap = 10 * MIB
+    world.registry.memory = Ballast.held
+    yield world
+    run(world.registry.close())  # no Ballast left for the next test
+    gc.collect()
+
+
+def deploy_three(world: World) -> None:
+    for name in ("o/a", "o/b", "o/c"):
+        world.deploy(name, ballast(4))
+
+
+async def calls_at(world: World, *timeline: tuple[float, str]) -> None:
+    """One call to each space at its time, in order."""
+    for now, name in timeline:
+        world.clock.now = now
+        await world.call(name)
+
+
+def evictions(world: World, space: str) -> tuple[int, int, int]:
+    return (
+        world.cell(space, Cell.EVICTED_IDLE),
+        world.cell(space, Cell.EVICTED_MEMORY),
+        world.cell(space, Cell.EVICTED_DEMAND),
+    )
+
+
+def test_at_its_memory_cap_a_worker_releases_the_least_recently_used_idle_space(capped):
+    """Three 4 MiB spaces under a 10 MiB cap: loading the third releases the one whose
+    last request ended first, not the one loaded first."""
+    deploy_three(capped)
+    run(calls_at(capped, (1.0, "o/a"), (2.0, "o/b"), (3.0, "o/a"), (4.0, "o/c")))
+    assert sorted(capped.registry.active) == ["o/a", "o/c"]
+    assert Ballast.held() == 8 * MIB  # o/b's memory is gone already, not at the next second
+    assert evictions(capped, "o/b") == (0, 1, 0) and evictions(capped, "o/a") == (0, 0, 0)
+
+
+def test_a_space_with_a_request_in_flight_is_never_released_for_memory(capped):
+    """The least recently used space is skipped while a request holds it."""
+    deploy_three(capped)
+
+    async def main():
+        capped.clock.now = 1.0
+        held = await capped.registry.lease("o/a")  # the oldest, and in flight
+        capped.clock.now = 2.0
+        await capped.call("o/b")
+        capped.clock.now = 3.0
+        await capped.call("o/c")
+        capped.registry.end_lease(held)
+
+    run(main())
+    assert sorted(capped.registry.active) == ["o/a", "o/c"]
+    assert evictions(capped, "o/a") == (0, 0, 0) and evictions(capped, "o/b") == (0, 1, 0)
+
+
+def test_a_load_that_cannot_fit_is_refused_and_the_worker_keeps_serving(capped):
+    """With every other space in flight, a load over the cap raises NoRoom, keeps nothing
+    of the refused space, and succeeds once the others' requests end."""
+    capped.deploy("o/a", ballast(4))
+    capped.deploy("o/b", ballast(4))
+    capped.deploy("o/big", ballast(6))
+
+    async def main():
+        leases = [await capped.registry.lease(name) for name in ("o/a", "o/b")]
+        with pytest.raises(NoRoom, match="POLYSERVE_WORKER_MEMORY_MB"):
+            await capped.registry.lease("o/big")
+        assert sorted(capped.registry.active) == ["o/a", "o/b"]
+        assert Ballast.held() == 8 * MIB  # the refused load's memory is let go at once
+        with pytest.raises(NoRoom):  # its size is known now: refused before importing
+            await capped.registry.lease("o/big")
+        for lease in leases:
+            capped.registry.end_lease(lease)
+        del lease, leases  # as a finished request's: else they keep the memory alive
+        return await capped.call("o/big")
+
+    assert run(main()) == 1
+    assert sorted(capped.registry.active) == ["o/big"]
+    assert capped.cell("o/big", Cell.LOADS) == 2  # the second refusal imported nothing
+
+
+def test_a_load_of_known_size_makes_room_before_it_imports(capped):
+    """A space's last load size is the estimate of its next one: the space is imported
+    with room made for it already, so the worker never goes over the cap."""
+    deploy_three(capped)
+
+    async def main():
+        await calls_at(capped, (1.0, "o/a"), (2.0, "o/b"), (3.0, "o/c"), (4.0, "o/a"))
+        return capped.registry.active["o/a"].imported.module.AT_IMPORT
+
+    # o/a's second load: o/b and o/c (8 MiB) were held; room for 4 more was made first.
+    assert run(main()) <= 6 * MIB
+    assert evictions(capped, "o/a") == (0, 1, 0)
+
+
+def test_evictions_are_counted_by_reason(capped):
+    """Idle TTL, memory and release on demand each count in their own cell."""
+    capped.registry.memory_cap = 0  # no cap until the memory step
+    capped.deploy("o/s", ballast(4))
+    capped.deploy("o/t", ballast(8))
+
+    async def main():
+        await capped.call("o/s")
+        await capped.reap_at(TTL)  # idle
+        await capped.call("o/s")
+        assert capped.deploys.request_release("o/s")
+        capped.registry.refresh()  # on demand
+        capped.clock.now = TTL + 1
+        await capped.call("o/s")
+        capped.registry.memory_cap = 10 * MIB
+        capped.clock.now = TTL + 2
+        await capped.call("o/t")  # memory
+
+    run(main())
+    assert evictions(capped, "o/s") == (1, 1, 1)
+    assert evictions(capped, "o/t") == (0, 0, 0)
+
+
+def test_a_space_bigger_than_the_cap_alone_is_refused_saying_so(capped):
+    """With nothing else held, the refusal says the cap is too small, and keeps nothing."""
+    capped.deploy("o/huge", ballast(12))
+
+    async def main():
+        with pytest.raises(NoRoom, match="holds no other space"):
+            await capped.registry.lease("o/huge")
+
+    run(main())
+    assert capped.registry.active == {} and Ballast.held() == 0

@@ -14,7 +14,7 @@ from psycopg.types.json import Jsonb
 
 from polyserve.errors import ClientError
 from polyserve.fleet.schema import CHANGE_LOCK, migrate
-from polyserve.meter import TOTAL_NAMES
+from polyserve.meter import BILLED_NAMES
 from polyserve.names import DEFAULT_POOL
 from polyserve.store import describe, rollback_target
 
@@ -52,7 +52,7 @@ class Stored:
     data: bytes | None  # None: left out, a version of another pool than the reader's
 
 
-USAGE_COLUMNS = TOTAL_NAMES  # the ledger's columns are the meter's totals
+USAGE_COLUMNS = BILLED_NAMES  # the ledger's columns are the meter's billing totals
 
 
 class FleetDB:

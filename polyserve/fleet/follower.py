@@ -128,7 +128,8 @@ class Follower:
     def write_usage(self) -> None:
         """This boot's totals per space into the fleet's ledger: absolute, so a retry
         writes the same numbers, and a host killed with -9 loses at most one interval."""
-        now = meter.totals_by_name(self.broadcast.table, self.store.slots.ledger(), meter.now_us())
+        table, ledger = self.broadcast.table, self.store.slots.ledger()
+        now = meter.totals_by_name(table, ledger, meter.now_us(), meter.BILLED)
         boot = {}
         for space, values in now.items():
             before = self.baseline.get(space, (0,) * len(values))
@@ -240,7 +241,7 @@ BOOT = "fleet-boot.json"  # in the data directory: this boot's id and starting t
 def start_boot(store: Store, table: Table) -> None:
     """The master, before any worker is forked: name this boot and keep what the table
     holds already (restored from earlier boots), which this boot's ledger rows leave out."""
-    baseline = meter.totals_by_name(table, store.slots.ledger(), meter.now_us())
+    baseline = meter.totals_by_name(table, store.slots.ledger(), meter.now_us(), meter.BILLED)
     data = {"boot": uuid.uuid4().hex, "baseline": baseline}
     write_atomic(store.root / BOOT, json.dumps(data).encode())
 

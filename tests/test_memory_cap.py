@@ -1,0 +1,81 @@
+"""A real host under POLYSERVE_WORKER_MEMORY_MB: LRU release, and a 503 instead of dying."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import HostProcess, until
+
+CAP_MB = 160  # an idle worker holds ~45 MiB anonymous: room for one 60 MiB space, never two
+SPACE_MB = 60
+
+
+def hog(marker: Path) -> str:
+    """A space holding SPACE_MB of anonymous memory; its /slow waits for the marker."""
+    return (
+        "import os, time\n"
+        f"BLOB = bytearray({SPACE_MB} << 20)\n"
+        "def handle(request):\n"
+        "    if request.url.path.endswith('/slow'):\n"
+        f"        while not os.path.exists({str(marker)!r}):\n"
+        "            time.sleep(0.01)\n"
+        "    return 'ok'\n"
+    )
+
+
+def anon_mb(pid: int) -> int:
+    """The worker's anonymous resident memory, what the cap bounds."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) >> 10
+    raise AssertionError("no RssAnon")
+
+
+def usage(host: HostProcess) -> dict:
+    return host.get("/_polyserve/usage").json()["spaces"]
+
+
+@pytest.mark.gunicorn
+def test_a_capped_worker_releases_idle_spaces_and_answers_503_when_nothing_can_go(
+    host_factory, tmp_path
+):
+    """Round-robin over spaces too big to share the cap: each load releases the least
+    recently used one and memory stays under the cap; with the only other space in flight,
+    a load answers 503 with Retry-After and the same worker serves on."""
+    host = host_factory(workers=1, POLYSERVE_WORKER_MEMORY_MB=str(CAP_MB))
+    marker = tmp_path / "go"
+    names = [f"o/hog{i}" for i in range(3)]
+    for name in names:
+        assert host.deploy(name, hog(marker)).status_code == 200
+    (pid,) = host.worker_pids()
+    for _ in range(2):
+        for name in names:
+            r = host.get(f"/s/{name}/")
+            assert r.status_code == 200, r.text
+            assert anon_mb(pid) <= CAP_MB
+    spaces = usage(host)
+    assert [spaces[n]["loaded"] for n in names] == [False, False, True]
+    hog0 = spaces["o/hog0"]
+    assert (hog0["evicted_idle"], hog0["evicted_memory"], hog0["evicted_demand"]) == (0, 2, 0)
+
+    answers = []
+    slow = threading.Thread(target=lambda: answers.append(host.get("/s/o/hog0/slow")))
+    slow.start()  # o/hog0 loads (o/hog2 is let go) and stays in flight
+    try:
+        until(lambda: usage(host)["o/hog0"]["loaded"], 20, "o/hog0 to be loaded")
+        refused = host.get("/s/o/hog1/")
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert "POLYSERVE_WORKER_MEMORY_MB" in refused.json()["error"]
+        assert anon_mb(pid) <= CAP_MB  # the refused load's memory went at once
+    finally:
+        marker.touch()
+        slow.join(30)
+    assert answers[0].status_code == 200
+    assert host.get("/s/o/hog1/").status_code == 200  # now o/hog0 is idle: it goes
+    assert host.worker_pids() == {pid}
+    hog1 = usage(host)["o/hog1"]
+    assert (hog1["requests"], hog1["errors"]) == (4, 1)  # the 503 counts as an error
