@@ -338,6 +338,17 @@ def scenario_metering(args, tmp: Path) -> dict:
     }
 
 
+def scenario_strict(args, tmp: Path) -> dict:
+    result = run_script("strict_bench.py", "--rounds", str(max(100, args.rounds * 40)))
+    return {
+        "a": "polyserve's strict HTTP protocol (polyserve/strict.py): keep-alive GETs in-process",
+        "b": "uvicorn's httptools protocol, alternated with A",
+        "goal": "<= 1 us per request (best round)",
+        "met": result["strict_minus_plain_best_us"] <= 1,
+        **result,
+    }
+
+
 def scenario_fleet(args, tmp: Path) -> dict:
     result = run_script(
         "fleet.py", "--deploys", str(args.deploys), "--spaces", str(args.usage_spaces)
@@ -410,6 +421,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
     "deploy": scenario_deploy,
     "scaling": scenario_scaling,
     "metering": scenario_metering,
+    "strict HTTP": scenario_strict,
     "fleet": scenario_fleet,
     "preload": scenario_preload,
     "autoscale": scenario_autoscale,
