@@ -6,7 +6,9 @@ characters in values, bare CR/LF and NUL, obs-fold, duplicated Content-Length,
 Content-Length with Transfer-Encoding, Transfer-Encoding without `chunked` last, bad chunk
 framing and methods it does not know (tests/test_http_strict.py sends each). What it lets
 through is refused here, in the parser callbacks uvicorn's protocol already has, so that no
-callback is added and a plain GET pays for a few comparisons only:
+callback or call is added and a plain GET pays for a few comparisons only (data_received
+and on_headers_complete are uvicorn's own, copied with the checks between their lines;
+tests/test_http_strict.py fails when uvicorn's change):
 
 - gunicorn's `limit_request_line` (414), `limit_request_fields` and
   `limit_request_field_size` (431), which uvicorn's worker ignores, and a bound on the
@@ -24,12 +26,19 @@ cancelled before its first step, so the request never reaches a space.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
+import urllib.parse
 from typing import Any, ClassVar
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.flow_control import service_unavailable
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 # gunicorn's ceilings (gunicorn.http.message): what its own parser applies to its settings.
 MAX_REQUEST_LINE = 8190
@@ -248,27 +257,73 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
             )
 
     def on_headers_complete(self) -> None:
-        cycle = self.cycle
-        super().on_headers_complete()
-        # Checked after uvicorn's own on_headers_complete, from the scope it has just
-        # filled: a second get_http_version() cost about 1 µs a request. A refusal here
-        # comes before the request's task has taken a step (refuse cancels it).
-        scope = self.scope
-        version = scope["http_version"]
-        if version != "1.1":
-            if version != "1.0":
-                raise Refused(400, f"HTTP/{version} on an HTTP/1 connection: use 1.0 or 1.1")
+        # uvicorn's on_headers_complete (tests/test_http_strict.py checks that it still
+        # is), with the checks between its lines: as a wrapper around it, the extra call
+        # cost about 1 µs a request (bench/NOTES.md). A refusal here comes before the
+        # request has a task.
+        http_version = self.parser.get_http_version()
+        method = self.parser.get_method()
+        self.scope["method"] = method.decode("ascii")
+        if http_version != "1.1":
+            if http_version != "1.0":
+                raise Refused(400, f"HTTP/{http_version} on an HTTP/1 connection: use 1.1")
+            self.scope["http_version"] = http_version
         elif self.host_of is not self.headers:
             raise Refused(400, "an HTTP/1.1 request needs a Host field (RFC 9112 3.2)")
         url = self.url
-        if url == b"*" and scope["method"] != "OPTIONS":
+        if url == b"*" and method != b"OPTIONS":
             raise Refused(400, "* is the target of OPTIONS only")
         # on_url bounded the target; the whole line is method SP target SP HTTP/1.1.
-        if len(url) > self.max_line - 30 and len(scope["method"]) + len(url) + 10 > self.max_line:
+        if len(url) > self.max_line - 30 and len(method) + len(url) + 10 > self.max_line:
             raise Refused(
                 414, f"request line longer than {self.max_line} bytes (limit_request_line)"
             )
-        if self.cycle is not cycle:  # not an upgrade, whose headers uvicorn reads later
-            self.headers = TRAILERS
-        self.head_done = self.headers
         self.head_bytes = 0
+        if self.parser.should_upgrade() and self._should_upgrade():
+            self.head_done = self.headers  # uvicorn reads them again for the upgrade
+            return
+        parsed_url = httptools.parse_url(url)
+        raw_path = parsed_url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        full_path = self.root_path + path
+        full_raw_path = self.root_path.encode("ascii") + raw_path
+        self.scope["path"] = full_path
+        self.scope["raw_path"] = full_raw_path
+        self.scope["query_string"] = parsed_url.query or b""
+
+        # Handle 503 responses when 'limit_concurrency' is exceeded.
+        if self.limit_concurrency is not None and (
+            len(self.connections) >= self.limit_concurrency
+            or len(self.tasks) >= self.limit_concurrency
+        ):
+            app = service_unavailable
+            message = "Exceeded concurrency limit."
+            self.logger.warning(message)
+        else:
+            app = self.app
+
+        existing_cycle = self.cycle
+        self.cycle = RequestResponseCycle(
+            scope=self.scope,
+            transport=self.transport,
+            flow=self.flow,
+            logger=self.logger,
+            access_logger=self.access_logger,
+            access_log=self.access_log,
+            default_headers=self.server_state.default_headers,
+            message_event=asyncio.Event(),
+            expect_100_continue=self.expect_100_continue,
+            keep_alive=http_version != "1.0" and self.parser.should_keep_alive(),
+            on_response=self.on_response_complete,
+        )
+        if existing_cycle is None or existing_cycle.response_complete:
+            # Standard case - start processing the request.
+            self._start_asgi_task(self.cycle, app)
+        else:
+            # Pipelined HTTP requests need to be queued up.
+            self.flow.pause_reading()
+            self.pipeline.appendleft((self.cycle, app))
+        # The trailers of a chunked body, if any, go to TRAILERS, not to the scope's list.
+        self.headers = self.head_done = TRAILERS

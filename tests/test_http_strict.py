@@ -289,7 +289,7 @@ def test_gunicorn_limit_settings_are_honoured(host_factory):
     assert exchange(tight, ok).startswith(b"HTTP/1.1 200 ")
 
 
-# uvicorn 0.54's HttpToolsProtocol.data_received, which StrictHttpToolsProtocol copies.
+# uvicorn 0.54's HttpToolsProtocol methods that StrictHttpToolsProtocol copies.
 UPSTREAM_DATA_RECEIVED = """
 def data_received(self, data: bytes) -> None:
     self._unset_keepalive_if_required()
@@ -309,12 +309,73 @@ def data_received(self, data: bytes) -> None:
 """
 
 
-def test_upstream_data_received_is_what_strict_py_copied():
-    """uvicorn's data_received is still the one polyserve/strict.py's copy was made from."""
-    upstream = textwrap.dedent(inspect.getsource(HttpToolsProtocol.data_received))
-    assert ast.dump(ast.parse(upstream)) == ast.dump(ast.parse(UPSTREAM_DATA_RECEIVED)), (
-        "uvicorn's HttpToolsProtocol.data_received changed: bring polyserve/strict.py's"
-        f" copy in step, then UPSTREAM_DATA_RECEIVED here. It is now:\n{upstream}"
+UPSTREAM_ON_HEADERS_COMPLETE = """
+def on_headers_complete(self) -> None:
+    http_version = self.parser.get_http_version()
+    method = self.parser.get_method()
+    self.scope["method"] = method.decode("ascii")
+    if http_version != "1.1":
+        self.scope["http_version"] = http_version
+    if self.parser.should_upgrade() and self._should_upgrade():
+        return
+    parsed_url = httptools.parse_url(self.url)
+    raw_path = parsed_url.path
+    path = raw_path.decode("ascii")
+    if "%" in path:
+        path = urllib.parse.unquote(path)
+    full_path = self.root_path + path
+    full_raw_path = self.root_path.encode("ascii") + raw_path
+    self.scope["path"] = full_path
+    self.scope["raw_path"] = full_raw_path
+    self.scope["query_string"] = parsed_url.query or b""
+
+    # Handle 503 responses when 'limit_concurrency' is exceeded.
+    if self.limit_concurrency is not None and (
+        len(self.connections) >= self.limit_concurrency or len(self.tasks) >= self.limit_concurrency
+    ):
+        app = service_unavailable
+        message = "Exceeded concurrency limit."
+        self.logger.warning(message)
+    else:
+        app = self.app
+
+    existing_cycle = self.cycle
+    self.cycle = RequestResponseCycle(
+        scope=self.scope,
+        transport=self.transport,
+        flow=self.flow,
+        logger=self.logger,
+        access_logger=self.access_logger,
+        access_log=self.access_log,
+        default_headers=self.server_state.default_headers,
+        message_event=asyncio.Event(),
+        expect_100_continue=self.expect_100_continue,
+        keep_alive=http_version != "1.0" and self.parser.should_keep_alive(),
+        on_response=self.on_response_complete,
+    )
+    if existing_cycle is None or existing_cycle.response_complete:
+        # Standard case - start processing the request.
+        self._start_asgi_task(self.cycle, app)
+    else:
+        # Pipelined HTTP requests need to be queued up.
+        self.flow.pause_reading()
+        self.pipeline.appendleft((self.cycle, app))
+"""
+
+
+@pytest.mark.parametrize(
+    ("method", "copied"),
+    [
+        ("data_received", UPSTREAM_DATA_RECEIVED),
+        ("on_headers_complete", UPSTREAM_ON_HEADERS_COMPLETE),
+    ],
+)
+def test_upstream_methods_are_what_strict_py_copied(method, copied):
+    """uvicorn's methods that polyserve/strict.py copies are still the ones it copied."""
+    upstream = textwrap.dedent(inspect.getsource(getattr(HttpToolsProtocol, method)))
+    assert ast.dump(ast.parse(upstream)) == ast.dump(ast.parse(copied)), (
+        f"uvicorn's HttpToolsProtocol.{method} changed: bring polyserve/strict.py's copy in"
+        f" step, then its text here. It is now:\n{upstream}"
     )
 
 
