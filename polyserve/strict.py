@@ -8,7 +8,7 @@ framing and methods it does not know (tests/test_http_strict.py sends each). Wha
 through is refused here, in the parser callbacks uvicorn's protocol already has, so that no
 callback or call is added and a plain GET pays for a few comparisons only (data_received
 and on_headers_complete are uvicorn's own, copied with the checks between their lines;
-tests/test_http_strict.py fails when uvicorn's change):
+tests/test_http_strict.py fails when uvicorn changes them):
 
 - gunicorn's `limit_request_line` (414), `limit_request_fields` and
   `limit_request_field_size` (431), which uvicorn's worker ignores, and a bound on the

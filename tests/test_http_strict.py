@@ -386,6 +386,9 @@ class _Transport(asyncio.Transport):
     def write(self, data: Any) -> None:
         pass
 
+    def is_closing(self) -> bool:
+        return False
+
 
 async def _ok(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": []})
