@@ -412,3 +412,27 @@ def test_strict_protocol_adds_no_instance_attribute():
     plain = asyncio.run(_attributes_after_a_request(HttpToolsProtocol))
     ours = asyncio.run(_attributes_after_a_request(strict.protocol(GunicornConfig())))
     assert ours == plain
+
+
+async def _scope_of(request: bytes) -> dict[str, Any]:
+    config = Config(app=_ok, lifespan="off", log_level="warning")
+    config.load()
+    protocol = strict.protocol(GunicornConfig())(
+        config=config, server_state=ServerState(), app_state={}
+    )
+    protocol.connection_made(_Transport())
+    protocol.data_received(request)
+    await asyncio.sleep(0)
+    assert protocol.cycle.response_complete
+    return protocol.cycle.scope
+
+
+def test_allowed_trailer_fields_are_dropped():
+    """A trailer field that may be one is not merged into the headers the app was given."""
+    scope = asyncio.run(
+        _scope_of(
+            b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n0\r\nX-Checksum: 1\r\n\r\n"
+        )
+    )
+    assert scope["headers"] == [(b"host", b"a"), (b"transfer-encoding", b"chunked")]
