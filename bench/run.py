@@ -401,6 +401,30 @@ def scenario_metering(args, tmp: Path) -> dict:
     }
 
 
+def scenario_strict(args, tmp: Path) -> dict:
+    inprocess = run_script("strict_bench.py", "--rounds", str(max(100, args.rounds * 40)))
+    plain = {"GUNICORN_CMD_ARGS": f"-k plain_worker.PlainWorker --pythonpath {harness.APPS}"}
+    with (
+        polyserve(args.workers, tmp / "strict") as a,
+        polyserve(args.workers, tmp / "plain", **plain) as b,
+    ):
+        for host in (a, b):
+            deploy(host.url, "lee101/hello", "hello.py", HELLO)
+        runs = ab_rounds(a.url + "/s/lee101/hello/", b.url + "/s/lee101/hello/", args)
+    return {
+        "a": "the hello space on polyserve, whose worker refuses malformed requests"
+        " (polyserve/strict.py)",
+        "b": "the same on polyserve with uvicorn's own httptools protocol"
+        " (bench/apps/plain_worker.py); in-process, the two protocols alone",
+        "goal": "in-process <= 1.5 us more per request (data_received, median), -c 32 ratio"
+        " >= 0.97",
+        "met": inprocess["strict_minus_plain_data_received_median_us"] <= 1.5
+        and runs["c32"]["rps_ratio"] >= 0.97,
+        "in_process": inprocess,
+        **runs,
+    }
+
+
 def scenario_fleet(args, tmp: Path) -> dict:
     result = run_script(
         "fleet.py", "--deploys", str(args.deploys), "--spaces", str(args.usage_spaces)
@@ -513,6 +537,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
     "deploy": scenario_deploy,
     "scaling": scenario_scaling,
     "metering": scenario_metering,
+    "strict HTTP": scenario_strict,
     "fleet": scenario_fleet,
     "preload": scenario_preload,
     "autoscale": scenario_autoscale,

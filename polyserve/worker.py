@@ -1,4 +1,5 @@
-"""The worker class: uvicorn-worker's, with a shutdown that answers what it already accepted."""
+"""The worker class: uvicorn-worker's, with a strict HTTP protocol and a shutdown that
+answers what it already accepted."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any, ClassVar
 from gunicorn.arbiter import Arbiter
 from uvicorn.server import Server
 from uvicorn_worker import UvicornWorker
+
+from polyserve import strict
 
 # How long a connection accepted just before shutdown has to deliver its request; over
 # loopback it takes microseconds, over a network about half a round trip.
@@ -40,6 +43,12 @@ class Worker(UvicornWorker):
         **UvicornWorker.CONFIG_KWARGS,
         "proxy_headers": False,
     }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn's httptools protocol, refusing at the door what a strict parser refuses
+        # and applying gunicorn's limit_request_* settings (polyserve/strict.py).
+        self.config.http = strict.protocol(self.cfg)
 
     async def _serve(self) -> None:
         # uvicorn-worker's own _serve, with the server above.

@@ -1,0 +1,438 @@
+"""Malformed HTTP/1 requests, sent as raw bytes to a real host: each is refused at the door
+(RFC 9110/9112, gunicorn's limit_request_* settings) and never reaches a space.
+
+Each case is a request head (and body) in which `/T` stands for the request target: `/`
+for the host, `/s/o/x/` for a deployed space. A refusal is a 400, 414 or 431 status
+line, or a connection closed with no answer at all. Most cases are refused by llhttp
+itself (httptools' parser, strict by default): they are here to prove it still is."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import inspect
+import json
+import re
+import socket
+import textwrap
+from typing import Any
+
+import pytest
+from gunicorn.config import Config as GunicornConfig
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from polyserve import strict
+from tests.helpers import HostProcess, module_host
+
+H = b"Host: a\r\n"
+GET = b"GET /T HTTP/1.1\r\n" + H
+POST = b"POST /T HTTP/1.1\r\n" + H
+CHUNKED = POST + b"Transfer-Encoding: chunked\r\n\r\n"
+LONG = b"a" * 5000
+
+
+def fields(n: int) -> bytes:
+    return b"".join(b"X-F%d: v\r\n" % i for i in range(n))
+
+
+CASES: dict[str, bytes] = {
+    # -- gunicorn's limits: limit_request_line 4094, _fields 100, _field_size 8190
+    "request line over limit_request_line": b"GET /T" + LONG + b" HTTP/1.1\r\n" + H + b"\r\n",
+    "query over limit_request_line": b"GET /T?q=" + LONG + b" HTTP/1.1\r\n" + H + b"\r\n",
+    "101 header fields": GET + fields(100) + b"\r\n",
+    "1000 header fields": GET + fields(999) + b"\r\n",
+    "a header value over limit_request_field_size": GET + b"X-Big: " + b"v" * 9000 + b"\r\n\r\n",
+    "a header name over limit_request_field_size": GET + b"X" * 9000 + b": v\r\n\r\n",
+    # over several reads: llhttp hands the pieces to httptools, which joins them unseen
+    "a 2 MiB header value": GET + b"X-Big: " + b"v" * (2 << 20) + b"\r\n\r\n",
+    "a 2 MiB request target": b"GET /T?q=" + b"q" * (2 << 20) + b" HTTP/1.1\r\n" + H + b"\r\n",
+    # -- field names: RFC 9110 5.1, token = 1*tchar
+    "space in a field name": GET + b"X Y: v\r\n\r\n",
+    "( in a field name": GET + b"X(Y: v\r\n\r\n",
+    "@ in a field name": GET + b"X@Y: v\r\n\r\n",
+    '" in a field name': GET + b'X"Y: v\r\n\r\n',
+    "/ in a field name": GET + b"X/Y: v\r\n\r\n",
+    "[ in a field name": GET + b"X[Y: v\r\n\r\n",
+    "{ in a field name": GET + b"X{Y: v\r\n\r\n",
+    "= in a field name": GET + b"X=Y: v\r\n\r\n",
+    ", in a field name": GET + b"X,Y: v\r\n\r\n",
+    "; in a field name": GET + b"X;Y: v\r\n\r\n",
+    "? in a field name": GET + b"X?Y: v\r\n\r\n",
+    "a non-ASCII byte in a field name": GET + b"X\xffY: v\r\n\r\n",
+    "an empty field name": GET + b": v\r\n\r\n",
+    "whitespace before the colon": GET + b"X-Y : v\r\n\r\n",
+    "a field line without a colon": GET + b"X-Y\r\n\r\n",
+    "Content_Length": POST + b"Content_Length: 5\r\n\r\nhello",
+    "content_length": POST + b"content_length: 5\r\n\r\nhello",
+    "Transfer_Encoding": POST + b"Transfer_Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    "Content-Length with Content_Length": POST
+    + b"Content-Length: 5\r\nContent_Length: 0\r\n\r\nhello",
+    # -- field values and the head: RFC 9110 5.5, RFC 9112 2.2
+    "NUL in a field value": GET + b"X-Y: a\x00b\r\n\r\n",
+    "SOH in a field value": GET + b"X-Y: a\x01b\r\n\r\n",
+    "ESC in a field value": GET + b"X-Y: a\x1bb\r\n\r\n",
+    "VT in a field value": GET + b"X-Y: a\x0bb\r\n\r\n",
+    "FF in a field value": GET + b"X-Y: a\x0cb\r\n\r\n",
+    "DEL in a field value": GET + b"X-Y: a\x7fb\r\n\r\n",
+    "a bare CR in a field value": GET + b"X-Y: a\rb\r\n\r\n",
+    "a bare LF ending a field line": GET + b"X-Y: a\n\r\n",
+    "a bare LF ending the request line": b"GET /T HTTP/1.1\n" + H + b"\r\n",
+    "a bare CR ending the request line": b"GET /T HTTP/1.1\r" + H + b"\r\n",
+    "a bare LF ending the head": GET + b"\n",
+    "NUL in the request target": b"GET /T\x00 HTTP/1.1\r\n" + H + b"\r\n",
+    "NUL in the method": b"G\x00T /T HTTP/1.1\r\n" + H + b"\r\n",
+    "NUL after the head's last CRLF in a field": GET + b"X-Y: a\r\n\x00\r\n\r\n",
+    # -- obsolete line folding: RFC 9112 5.2
+    "obs-fold with a space": GET + b"X-Y: a\r\n b\r\n\r\n",
+    "obs-fold with a tab": GET + b"X-Y: a\r\n\tb\r\n\r\n",
+    "whitespace before the first field line": b"GET /T HTTP/1.1\r\n " + H + b"\r\n",
+    # -- Host: RFC 9112 3.2
+    "two Host fields": GET + b"Host: b\r\n\r\n",
+    "two Host fields with one value": GET + b"Host: a\r\n\r\n",
+    "Host and host": GET + b"host: b\r\n\r\n",
+    "HTTP/1.1 without Host": b"GET /T HTTP/1.1\r\n\r\n",
+    # -- Content-Length: RFC 9110 8.6, RFC 9112 6.3
+    "two Content-Lengths that differ": POST
+    + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello!",
+    "a Content-Length list that differs": POST + b"Content-Length: 5, 6\r\n\r\nhello!",
+    "a negative Content-Length": POST + b"Content-Length: -1\r\n\r\n",
+    "Content-Length with a plus sign": POST + b"Content-Length: +5\r\n\r\nhello",
+    "a hexadecimal Content-Length": POST + b"Content-Length: 0x5\r\n\r\nhello",
+    "a Content-Length with a space inside": POST + b"Content-Length: 1 0\r\n\r\nhellohello",
+    "an empty Content-Length": POST + b"Content-Length: \r\n\r\n",
+    "a Content-Length that overflows": POST + b"Content-Length: 99999999999999999999999\r\n\r\n",
+    "Content-Length then Transfer-Encoding": POST
+    + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "Transfer-Encoding then Content-Length": POST
+    + b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",
+    # -- Transfer-Encoding: RFC 9112 6.1, 6.3
+    "chunked on HTTP/1.0": b"POST /T HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "chunked not last": POST + b"Transfer-Encoding: chunked, gzip\r\n\r\n0\r\n\r\n",
+    "chunked in a field before gzip": POST
+    + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n0\r\n\r\n",
+    "a coding without chunked": POST + b"Transfer-Encoding: gzip\r\n\r\nhello",
+    "identity": POST + b"Transfer-Encoding: identity\r\n\r\nhello",
+    "chunked twice": POST + b"Transfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n",
+    "xchunked": POST + b"Transfer-Encoding: xchunked\r\n\r\n0\r\n\r\n",
+    "an empty Transfer-Encoding": POST + b"Transfer-Encoding: \r\n\r\n0\r\n\r\n",
+    # -- chunks: RFC 9112 7.1
+    "a chunk size that is not hex": CHUNKED + b"z\r\nhello\r\n0\r\n\r\n",
+    "a negative chunk size": CHUNKED + b"-1\r\nhello\r\n0\r\n\r\n",
+    "a 0x chunk size": CHUNKED + b"0x5\r\nhello\r\n0\r\n\r\n",
+    "a chunk size with trailing spaces": CHUNKED + b"5 \r\nhello\r\n0\r\n\r\n",
+    "a chunk size that overflows": CHUNKED + b"fffffffffffffffffffff\r\nhello\r\n0\r\n\r\n",
+    "an empty chunk size": CHUNKED + b"\r\nhello\r\n0\r\n\r\n",
+    "chunk data without its CRLF": CHUNKED + b"5\r\nhelloX\r\n0\r\n\r\n",
+    "a chunk longer than its size": CHUNKED + b"3\r\nhello\r\n0\r\n\r\n",
+    "a bare LF after a chunk size": CHUNKED + b"5\nhello\r\n0\r\n\r\n",
+    "a control character in a chunk extension": CHUNKED + b"5;a\x01=b\r\nhello\r\n0\r\n\r\n",
+    "no final CRLF after the last chunk": CHUNKED + b"0\r\nX\r\n\r\n",
+    "a bare LF as the final CRLF": CHUNKED + b"0\r\n\n",
+    "Host in a trailer": CHUNKED + b"5\r\nhello\r\n0\r\nHost: b\r\n\r\n",
+    "Content-Length in a trailer": CHUNKED + b"5\r\nhello\r\n0\r\nContent-Length: 5\r\n\r\n",
+    "Transfer-Encoding in a trailer": CHUNKED
+    + b"5\r\nhello\r\n0\r\nTransfer-Encoding: chunked\r\n\r\n",
+    "Authorization in a trailer": CHUNKED + b"5\r\nhello\r\n0\r\nAuthorization: x\r\n\r\n",
+    "Content-Type in a trailer": CHUNKED + b"5\r\nhello\r\n0\r\nContent-Type: a/b\r\n\r\n",
+    "a bad name in a trailer": CHUNKED + b"5\r\nhello\r\n0\r\nX Y: v\r\n\r\n",
+    "a control character in a trailer": CHUNKED + b"5\r\nhello\r\n0\r\nX-Y: a\x01\r\n\r\n",
+    # -- the request line: RFC 9112 2.3, 3; RFC 9110 9.1
+    "HTTP/1.2": b"GET /T HTTP/1.2\r\n" + H + b"\r\n",
+    "HTTP/2.0 on HTTP/1": b"GET /T HTTP/2.0\r\n" + H + b"\r\n",
+    "HTTP/0.9": b"GET /T HTTP/0.9\r\n" + H + b"\r\n",
+    "HTTP/3.0": b"GET /T HTTP/3.0\r\n" + H + b"\r\n",
+    "a lower-case version": b"GET /T http/1.1\r\n" + H + b"\r\n",
+    "a version with two digits": b"GET /T HTTP/1.10\r\n" + H + b"\r\n",
+    "no version": b"GET /T\r\n" + H + b"\r\n",
+    "a space in the target": b"GET /T a HTTP/1.1\r\n" + H + b"\r\n",
+    "a control character in the target": b"GET /T\x01 HTTP/1.1\r\n" + H + b"\r\n",
+    "DEL in the target": b"GET /T\x7f HTTP/1.1\r\n" + H + b"\r\n",
+    "a non-ASCII byte in the target": b"GET /T\xff HTTP/1.1\r\n" + H + b"\r\n",
+    "a space after the version": b"GET /T HTTP/1.1 \r\n" + H + b"\r\n",
+    "GET *": b"GET * HTTP/1.1\r\n" + H + b"\r\n",
+    "POST *": b"POST * HTTP/1.1\r\n" + H + b"Content-Length: 0\r\n\r\n",
+    "( in the method": b"G(T /T HTTP/1.1\r\n" + H + b"\r\n",
+    "@ in the method": b"GE@T /T HTTP/1.1\r\n" + H + b"\r\n",
+    "/ in the method": b"GET/ /T HTTP/1.1\r\n" + H + b"\r\n",
+    "an empty method": b" /T HTTP/1.1\r\n" + H + b"\r\n",
+}
+
+AT_SPACE = {name: case for name, case in CASES.items() if b"/T" in case}
+
+REFUSED = (b"400", b"414", b"431")
+
+host = module_host("strict_host", workers=1)
+
+SPACE = "o/x"
+HANDLE = b"def handle(request):\n    return {'ok': True}\n"
+
+
+def exchange(host: HostProcess, request: bytes) -> bytes:
+    """Send `request` on a new connection; the first answer, or what came before the
+    server closed the connection."""
+    with socket.create_connection(("127.0.0.1", host.port), timeout=30) as s:
+        # Refused mid-send (a large head): the answer may still be there to read.
+        with contextlib.suppress(OSError):
+            s.sendall(request)
+        got = b""
+        while not complete(got):
+            try:
+                data = s.recv(65536)
+            except ConnectionResetError:
+                break
+            if not data:
+                break
+            got += data
+        return got
+
+
+def complete(answer: bytes) -> bool:
+    head, sep, body = answer.partition(b"\r\n\r\n")
+    length = re.search(rb"(?im)^content-length: *(\d+)", head)
+    return bool(sep and length and len(body) >= int(length[1]))
+
+
+def assert_refused(answer: bytes) -> None:
+    """A refusal at the door: a 400, 414 or 431 whose JSON body says why, then a closed
+    connection; or no answer at all (the client had not finished sending)."""
+    if answer:
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.split(b" ")[1:2] in [[code] for code in REFUSED], answer[:300]
+        assert b"\r\nconnection: close" in head, head
+        assert json.loads(body)["error"], body
+
+
+def counters(host: HostProcess) -> dict[str, int]:
+    """The space's usage counters that a request moves."""
+    usage = host.get("/_polyserve/usage").json()["spaces"][SPACE]
+    return {k: usage[k] for k in ("requests", "busy_ms", "errors")}
+
+
+@pytest.fixture(scope="module")
+def space(strict_host: HostProcess) -> HostProcess:
+    r = strict_host.deploy(SPACE, HANDLE)
+    assert r.status_code == 200, r.text
+    return strict_host
+
+
+def test_enough_distinct_cases():
+    """The table holds at least 60 distinct malformed requests."""
+    assert len(set(CASES.values())) == len(CASES) >= 60
+
+
+@pytest.mark.parametrize("request_", CASES.values(), ids=CASES.keys())
+def test_refused_at_the_door(strict_host, request_):
+    """Each malformed request is refused, and the host serves the next connection."""
+    assert_refused(exchange(strict_host, request_.replace(b"/T", b"/")))
+    assert strict_host.get("/_polyserve/health").status_code == 200
+
+
+@pytest.mark.parametrize("request_", AT_SPACE.values(), ids=AT_SPACE.keys())
+def test_never_reaches_a_space(space, request_):
+    """Each malformed request at a space is refused and moves none of its counters."""
+    before = counters(space)
+    assert_refused(exchange(space, request_.replace(b"/T", b"/s/o/x/")))
+    assert counters(space) == before
+    assert space.get("/s/o/x/").json() == {"ok": True}  # and the space still answers
+    assert counters(space)["requests"] == before["requests"] + 1
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        b"GET /s/o/x/ HTTP/1.1\r\nHost: a\r\nX-Tab: a\tb\r\n\r\n",
+        b"GET /s/o/x/ HTTP/1.0\r\n\r\n",
+        b"OPTIONS * HTTP/1.1\r\nHost: a\r\n\r\n",
+        b"POST /s/o/x/ HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        b"POST /s/o/x/ HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5;ext=1\r\nhello\r\n0\r\nX-Checksum: 1\r\n\r\n",
+        b"GET /s/o/x/ HTTP/1.1\r\nHost: a\r\n"
+        + fields(98)
+        + b"X-Big: "
+        + b"v" * 8000
+        + b"\r\n\r\n",
+        b"GET /s/o/x/?" + b"q" * 4000 + b" HTTP/1.1\r\nHost: a\r\n\r\n",
+    ],
+    ids=["tab", "1.0", "options-star", "gzip-chunked", "trailer", "at-limits", "line"],
+)
+def test_valid_requests_still_pass(space, request_):
+    """Requests at the edge of what is allowed are served."""
+    answer = exchange(space, request_)
+    status = answer.split(b" ")[1:2]
+    assert status and status[0][:1] in (b"2", b"4") and status[0] not in REFUSED, answer[:300]
+
+
+def test_gunicorn_limit_settings_are_honoured(host_factory):
+    """gunicorn's limit_request_* settings, given on its command line, are applied."""
+    tight = host_factory(
+        workers=1,
+        args=(
+            "--limit-request-line",
+            "200",
+            "--limit-request-fields",
+            "5",
+            "--limit-request-field_size",
+            "300",
+        ),
+    )
+    line = b"GET /?" + b"q" * 200 + b" HTTP/1.1\r\nHost: a\r\n\r\n"
+    assert exchange(tight, line).startswith(b"HTTP/1.1 414 ")
+    assert exchange(tight, GET.replace(b"/T", b"/") + fields(5) + b"\r\n").startswith(
+        b"HTTP/1.1 431 "
+    )
+    big = GET.replace(b"/T", b"/") + b"X-Big: " + b"v" * 300 + b"\r\n\r\n"
+    assert exchange(tight, big).startswith(b"HTTP/1.1 431 ")
+    ok = GET.replace(b"/T", b"/_polyserve/health") + fields(3) + b"X-B: " + b"v" * 200 + b"\r\n\r\n"
+    assert exchange(tight, ok).startswith(b"HTTP/1.1 200 ")
+
+
+# uvicorn 0.54's HttpToolsProtocol methods that StrictHttpToolsProtocol copies.
+UPSTREAM_DATA_RECEIVED = """
+def data_received(self, data: bytes) -> None:
+    self._unset_keepalive_if_required()
+
+    try:
+        self.parser.feed_data(data)
+    except httptools.HttpParserError:
+        msg = "Invalid HTTP request received."
+        self.logger.warning(msg)
+        self.send_400_response(msg)
+        return
+    except httptools.HttpParserUpgrade:
+        if self._should_upgrade():
+            self.handle_websocket_upgrade()
+        else:
+            self._unsupported_upgrade_warning()
+"""
+
+
+UPSTREAM_ON_HEADERS_COMPLETE = """
+def on_headers_complete(self) -> None:
+    http_version = self.parser.get_http_version()
+    method = self.parser.get_method()
+    self.scope["method"] = method.decode("ascii")
+    if http_version != "1.1":
+        self.scope["http_version"] = http_version
+    if self.parser.should_upgrade() and self._should_upgrade():
+        return
+    parsed_url = httptools.parse_url(self.url)
+    raw_path = parsed_url.path
+    path = raw_path.decode("ascii")
+    if "%" in path:
+        path = urllib.parse.unquote(path)
+    full_path = self.root_path + path
+    full_raw_path = self.root_path.encode("ascii") + raw_path
+    self.scope["path"] = full_path
+    self.scope["raw_path"] = full_raw_path
+    self.scope["query_string"] = parsed_url.query or b""
+
+    # Handle 503 responses when 'limit_concurrency' is exceeded.
+    if self.limit_concurrency is not None and (
+        len(self.connections) >= self.limit_concurrency or len(self.tasks) >= self.limit_concurrency
+    ):
+        app = service_unavailable
+        message = "Exceeded concurrency limit."
+        self.logger.warning(message)
+    else:
+        app = self.app
+
+    existing_cycle = self.cycle
+    self.cycle = RequestResponseCycle(
+        scope=self.scope,
+        transport=self.transport,
+        flow=self.flow,
+        logger=self.logger,
+        access_logger=self.access_logger,
+        access_log=self.access_log,
+        default_headers=self.server_state.default_headers,
+        message_event=asyncio.Event(),
+        expect_100_continue=self.expect_100_continue,
+        keep_alive=http_version != "1.0" and self.parser.should_keep_alive(),
+        on_response=self.on_response_complete,
+    )
+    if existing_cycle is None or existing_cycle.response_complete:
+        # Standard case - start processing the request.
+        self._start_asgi_task(self.cycle, app)
+    else:
+        # Pipelined HTTP requests need to be queued up.
+        self.flow.pause_reading()
+        self.pipeline.appendleft((self.cycle, app))
+"""
+
+
+@pytest.mark.parametrize(
+    ("method", "copied"),
+    [
+        ("data_received", UPSTREAM_DATA_RECEIVED),
+        ("on_headers_complete", UPSTREAM_ON_HEADERS_COMPLETE),
+    ],
+)
+def test_upstream_methods_are_what_strict_py_copied(method, copied):
+    """uvicorn's methods that polyserve/strict.py copies are still the ones it copied."""
+    upstream = textwrap.dedent(inspect.getsource(getattr(HttpToolsProtocol, method)))
+    assert ast.dump(ast.parse(upstream)) == ast.dump(ast.parse(copied)), (
+        f"uvicorn's HttpToolsProtocol.{method} changed: bring polyserve/strict.py's copy in"
+        f" step, then its text here. It is now:\n{upstream}"
+    )
+
+
+class _Transport(asyncio.Transport):
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
+
+    def write(self, data: Any) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def _ok(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _attributes_after_a_request(protocol_class: type[HttpToolsProtocol]) -> set[str]:
+    config = Config(app=_ok, lifespan="off", log_level="warning")
+    config.load()
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    protocol.connection_made(_Transport())
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+    await asyncio.sleep(0)
+    assert protocol.cycle.response_complete
+    return set(vars(protocol))
+
+
+def test_strict_protocol_adds_no_instance_attribute():
+    """The strict protocol keeps its state in slots: past 30 instance attributes, CPython
+    stops sharing an instance's keys with its class, which slowed every request."""
+    plain = asyncio.run(_attributes_after_a_request(HttpToolsProtocol))
+    ours = asyncio.run(_attributes_after_a_request(strict.protocol(GunicornConfig())))
+    assert ours == plain
+
+
+async def _scope_of(request: bytes) -> dict[str, Any]:
+    config = Config(app=_ok, lifespan="off", log_level="warning")
+    config.load()
+    protocol = strict.protocol(GunicornConfig())(
+        config=config, server_state=ServerState(), app_state={}
+    )
+    protocol.connection_made(_Transport())
+    protocol.data_received(request)
+    await asyncio.sleep(0)
+    assert protocol.cycle.response_complete
+    return protocol.cycle.scope
+
+
+def test_allowed_trailer_fields_are_dropped():
+    """A trailer field that may be one is not merged into the headers the app was given."""
+    scope = asyncio.run(
+        _scope_of(
+            b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n0\r\nX-Checksum: 1\r\n\r\n"
+        )
+    )
+    assert scope["headers"] == [(b"host", b"a"), (b"transfer-encoding", b"chunked")]
