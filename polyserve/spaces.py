@@ -49,14 +49,19 @@ class OtherPool(Exception):
 
 class NoRoom(Exception):
     """A load would take the worker over its memory cap even with every idle space
-    released: the other spaces held have requests in flight."""
+    released: the other spaces held (or the space's own old version, on a swap) have
+    requests in flight, or the space alone is bigger than the cap."""
 
-    def __init__(self, space: str, memory: int, need: int, cap: int, busy: int) -> None:
+    def __init__(
+        self, space: str, memory: int, need: int, cap: int, busy: int, draining: bool
+    ) -> None:
         mib = 1 << 20
+        busy_ones = [f"the {busy} other spaces it holds have requests in flight"] if busy else []
+        if draining:
+            busy_ones.append("its old version still has requests in flight (draining)")
         why = (
-            f"the {busy} other spaces it holds have requests in flight; retry in"
-            f" {NO_ROOM_RETRY_S} s"
-            if busy
+            f"{' and '.join(busy_ones)}; retry in {NO_ROOM_RETRY_S} s"
+            if busy_ones
             else "it holds no other space: the cap is too small for this space"
         )
         super().__init__(
@@ -120,8 +125,13 @@ class Registry:
         # model mapped from its file, shared by every worker) the kernel can drop.
         self.memory_cap = memory_cap
         self.memory = memory
-        # What each space's latest load added: the estimate of its next one.
+        # What each space's latest load added: the estimate of its next one. Certain
+        # only when measured with nothing else held or loading (else the measure may
+        # include their memory): only a certain estimate refuses a load on its own.
         self._sizes: dict[str, int] = {}
+        self._certain: set[str] = set()
+        # Loads being measured, each with whether another load overlapped it.
+        self._measuring: dict[str, bool] = {}
         # Another pool's spaces, with the generation at which that was found: until the
         # word moves (a deploy or a delete), a request for one is sent elsewhere at once.
         self._other_pool: dict[str, tuple[int, str]] = {}
@@ -149,6 +159,7 @@ class Registry:
             if active is not None and active.generation == generation:
                 active.inflight += 1
                 return active
+            del active  # a stale one: waiting here must not keep it from the collection
             other = self._other_pool.get(space)
             if other is not None and other[0] == generation and self.pool is not None:
                 raise OtherPool(space, other[1], self.pool)
@@ -232,12 +243,18 @@ class Registry:
         if current is not None and current.releases != releases:
             # Released on demand while this worker missed the signal: re-imported below.
             self.meter.evicted(slot, Cell.EVICTED_DEMAND)
-        started, started_us, anon_before = self.clock(), self.meter.clock(), anon_bytes()
+        # Not kept across the awaits: a stale version held by this frame could not be
+        # collected when it is dropped for room. It serves nobody new (lease checks the
+        # generation); it is retired at the switch, or before, by _make_room.
+        del current
         memory_before = 0
         try:
             if self.memory_cap:
                 await self._make_room(space, self._sizes.get(space, 0))
                 memory_before = self.memory()
+                self._measure(space)
+            # Taken after making room: other tenants' shutdowns are not this load's time.
+            started, started_us, anon_before = self.clock(), self.meter.clock(), anon_bytes()
             if not version.dir.is_dir():
                 await self._fetch(version)
             imported = await anyio.to_thread.run_sync(
@@ -252,28 +269,34 @@ class Registry:
             )
             await loader.start(imported, self.start_timeout)
         except BaseException:
+            self._measuring.pop(space, None)
             self._unhold(space, slot, version.number)
             raise
         # Memory the load added: approximate when other work runs at the same time.
         self.meter.loaded(slot, started_us, anon_bytes() - anon_before)
         if self.memory_cap:
             self._sizes[space] = max(self.memory() - memory_before, 0)
+            if self._measuring.pop(space):
+                self._certain.discard(space)
+            else:
+                self._certain.add(space)
         now = self.clock()
         active = Active(imported, version, slot, generation, releases, last_used=now)
-        # The switch: from here on new requests get the new version.
-        self.active[space] = active
-        if current is not None:
-            self._retire(current)
         if self.memory_cap:
+            # Checked before the switch, so that no request leases a version that may
+            # be refused: until then they wait for this load.
             try:  # the estimate was only that: the load may have taken more
                 await self._make_room(space, 0)
             except NoRoom:
-                self._retire(active)
-                assert active._dropping is not None  # never leased: dropped at once
-                dropping = [active._dropping]
-                del active, imported, current  # nothing may keep them from the collection
-                await self._collect_after(dropping)
+                dropping = [self._retire(active)]  # never leased: dropped at once
+                del active, imported  # nothing may keep them from the collection
+                await self._collect_after([t for t in dropping if t is not None])
                 raise
+        # The switch: from here on new requests get the new version.
+        current = self.active.get(space)  # not if the reaper or _make_room retired it
+        self.active[space] = active
+        if current is not None:
+            self._retire(current)
         log.info(
             "loaded %s v%d (%s) in %.1f ms",
             space,
@@ -283,20 +306,41 @@ class Registry:
         )
         return active
 
+    def _measure(self, space: str) -> None:
+        """Start measuring a load: it, and every load it overlaps, measure uncertainly."""
+        others = bool(self._measuring) or any(name != space for name in self.active)
+        for name in self._measuring:
+            self._measuring[name] = True
+        self._measuring[space] = others
+
     async def _make_room(self, space: str, need: int) -> None:
-        """Release the least recently used idle spaces (never `space`, one loading, or
-        one with a request in flight) until memory plus `need` is under the cap; NoRoom
-        when that is not possible."""
+        """For a load of `space`: release its own old version if idle (a swap's: no
+        request can lease it any more), then the least recently used idle spaces (never
+        one loading or with a request in flight) until memory plus `need` is under the
+        cap. NoRoom when that is not possible; before the import (`need` an estimate),
+        only if the rest is busy or the estimate is certain."""
         cap = self.memory_cap
         while (memory := self.memory()) + need > cap:
-            # Down to HEADROOM under the cap, so the next loads need no collection.
-            dropping = self._evict(space, memory + need - int(cap * (1 - HEADROOM)))
-            if not dropping:  # the size it says: the estimate, or after a load, the load's
+            old = self.active.get(space)
+            draining = old is not None and old.inflight > 0
+            if old is not None and not draining:
+                dropping = [self._retire(old)]  # a swap: not an eviction, nor a release
+                del old
+            else:
+                del old
+                # Down to HEADROOM under the cap, so the next loads need no collection.
+                dropping = self._evict(space, memory + need - int(cap * (1 - HEADROOM)))
+            tasks = [t for t in dropping if t is not None]
+            if not tasks:
                 busy = sum(name != space for name in self.active)
-                raise NoRoom(space, memory, need or self._sizes.get(space, 0), cap, busy)
-            await self._collect_after(dropping)
+                if need and not busy and not draining and space not in self._certain:
+                    return  # an estimate measured beside other loads: import and see
+                # The size it says: the estimate, or after a load, the load's.
+                size = need or self._sizes.get(space, 0)
+                raise NoRoom(space, memory, size, cap, busy, draining)
+            await self._collect_after(tasks)
 
-    def _evict(self, space: str, excess: int) -> list[asyncio.Task[None]]:
+    def _evict(self, space: str, excess: int) -> list[asyncio.Task[None] | None]:
         """Retire idle spaces, least recently used first, as many as their last loads
         say it takes to free `excess` bytes (at least one: a size measured while other
         loads ran may be 0). Returns their drop tasks, not them: a reference left to a
@@ -310,9 +354,7 @@ class Registry:
         dropping = []
         for active in idle:
             self.meter.evicted(active.slot, Cell.EVICTED_MEMORY)
-            self._retire(active)
-            assert active._dropping is not None  # idle: dropped at once
-            dropping.append(active._dropping)
+            dropping.append(self._retire(active))
             excess -= self._sizes.get(active.imported.space, 0)
             if excess <= 0:
                 break
@@ -358,26 +400,29 @@ class Registry:
 
     def _unhold(self, space: str, slot: int, number: int) -> None:
         held = self._held[space]
+        if held == [number]:
+            # The last version held: this ends the stretch (a swap keeps it going; one
+            # whose old version went first, then failed, ends it here). Folded before
+            # the hold is dropped: a slot nobody holds may be handed to another space.
+            self.meter.released(slot)
         held.remove(number)
         if not held:
             del self._held[space]
         self.broadcast.hold(slot, min(held, default=0))
 
-    def _retire(self, active: Active) -> None:
+    def _retire(self, active: Active) -> asyncio.Task[None] | None:
+        """Stop serving `active`; its drop task if it was dropped at once (idle)."""
         if self.active.get(active.imported.space) is active:
             del self.active[active.imported.space]
         active.retired = True
         if active.inflight == 0:
             self._drop(active)
+        return active._dropping
 
     def _drop(self, active: Active) -> None:
         if active._dropping is not None:
             return
         space = active.imported.space
-        if self._held[space] == [active.version.number]:
-            # A swap keeps the space warm; this ends the stretch. Folded before the
-            # hold is dropped: a slot nobody holds may be handed to another space.
-            self.meter.released(active.slot)
         self._unhold(space, active.slot, active.version.number)
         active._dropping = asyncio.create_task(self._stop(active))
 

@@ -548,3 +548,140 @@ def test_a_space_bigger_than_the_cap_alone_is_refused_saying_so(capped):
 
     run(main())
     assert capped.registry.active == {} and Ballast.held() == 0
+
+
+def test_a_space_measured_alone_over_the_cap_is_refused_before_it_imports_again(capped):
+    """Its size, measured with nothing else held or loading, is certain: the next request
+    is refused on the estimate, without importing it again."""
+    capped.deploy("o/huge", ballast(12))
+
+    async def main():
+        for _ in range(2):
+            with pytest.raises(NoRoom, match="holds no other space"):
+                await capped.registry.lease("o/huge")
+
+    run(main())
+    assert capped.cell("o/huge", Cell.LOADS) == 1
+
+
+def test_a_hot_swap_under_the_cap_lets_the_idle_old_version_go_for_the_new(capped):
+    """A 6 MiB space redeployed under a 10 MiB cap: its idle old version is dropped to
+    make room, v2 serves, and the swap is neither an eviction nor a break in residency."""
+    capped.deploy("o/s", ballast(6))
+    capped.clock.now = 1.0
+    assert run(capped.call("o/s")) == 1
+    since = capped.cell("o/s", Cell.LOADED_SINCE_US)
+    capped.deploy("o/s", ballast(6).replace("VERSION = 1", "VERSION = 2"))
+    capped.clock.now = 2.0
+
+    async def main():
+        capped.registry.refresh()
+        return [await capped.call("o/s") for _ in range(2)]
+
+    assert run(main()) == [2, 2]
+    assert capped.registry.active["o/s"].version.number == 2
+    assert Ballast.held() == 6 * MIB
+    assert evictions(capped, "o/s") == (0, 0, 0)
+    assert capped.cell("o/s", Cell.LOADED_SINCE_US) == since  # one stretch, not two
+    assert capped.cell("o/s", Cell.RESIDENT_US) == 0
+
+
+def test_a_hot_swap_that_does_not_fit_beside_its_draining_old_version_says_so(capped):
+    """While v1 still has a request in flight, v2 is refused saying the old version is
+    draining; once v1's request ends, the next request swaps."""
+    capped.deploy("o/s", ballast(6))
+    capped.deploy("o/s2", version(1))
+
+    async def main():
+        held = await capped.registry.lease("o/s")
+        capped.deploy("o/s", ballast(6).replace("VERSION = 1", "VERSION = 2"))
+        with pytest.raises(NoRoom, match="old version still has requests in flight"):
+            await capped.registry.lease("o/s")
+        capped.registry.end_lease(held)
+        del held  # as a finished request's
+        return await capped.call("o/s")
+
+    assert run(main()) == 2
+    assert Ballast.held() == 6 * MIB
+
+
+def test_a_request_during_a_refused_loads_check_never_gets_the_refused_version(capped):
+    """A load over the cap whose check waits for an eviction: a request arriving meanwhile
+    waits for the load and gets NoRoom too, never the version about to be refused."""
+    capped.deploy("o/a", ballast(4))
+    capped.deploy("o/c", ballast(1))
+    capped.deploy("o/big", ballast(7))
+
+    async def main():
+        held = await capped.registry.lease("o/a")
+        capped.clock.now = 1.0
+        await capped.call("o/c")
+        load = asyncio.ensure_future(capped.registry.lease("o/big"))
+        grabbed = []
+        while not load.done():  # a request at every turn of the loop
+            if "o/big" in capped.registry.active:
+                grabbed.append(await capped.registry.lease("o/big"))
+            await asyncio.sleep(0)
+        with pytest.raises(NoRoom, match="1 other spaces it holds have requests in flight"):
+            load.result()
+        capped.registry.end_lease(held)
+        del held, load  # as a finished request's: else they keep the memory alive
+        return grabbed
+
+    assert run(main()) == []
+    assert sorted(capped.registry.active) == ["o/a"] and Ballast.held() == 4 * MIB
+
+
+def test_a_size_measured_during_another_load_does_not_refuse_the_space_later(capped, tmp_path):
+    """o/x's load measured o/y's 10 MiB, loaded meanwhile, as its own: later, alone, o/x is
+    imported anyway, its 1 MiB is measured, and the estimate is corrected."""
+    started, go = tmp_path / "started", tmp_path / "go"
+    capped.deploy(
+        "o/x",
+        "import os, time\nfrom tests.helpers import Ballast\n"
+        f"open({str(started)!r}, 'w').close()\n"
+        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.001)\n"
+        "BLOB = Ballast(1)\n" + version(1),
+    )
+    capped.deploy("o/y", ballast(10))
+
+    async def main():
+        x = asyncio.ensure_future(capped.call("o/x"))
+        while not started.exists():  # o/x's import has begun
+            await asyncio.sleep(0.001)
+        capped.clock.now = 1.0
+        await capped.call("o/y")
+        go.touch()
+        await x  # o/y, idle, is evicted for it
+        assert capped.registry._sizes["o/x"] == 11 * MIB
+        await capped.reap_at(TTL + 1)
+        gc.collect()  # what the deferred collection would do
+        assert Ballast.held() == 0
+        return await capped.call("o/x")
+
+    assert run(main()) == 1
+    assert capped.registry._sizes["o/x"] == 1 * MIB
+
+
+def test_a_load_is_billed_its_own_time_not_the_evictions_it_waited_for(capped, monkeypatch):
+    """A load that first evicts a space whose shutdown takes 5 s: its import time and the
+    start of its residency leave those 5 s out."""
+    real_stop = loader.stop
+
+    async def slow_stop(imported, timeout):
+        capped.clock.now += 5.0
+        await real_stop(imported, timeout)
+
+    monkeypatch.setattr(loader, "stop", slow_stop)
+    deploy_three(capped)
+
+    async def main():
+        await calls_at(capped, (1.0, "o/a"), (2.0, "o/b"), (3.0, "o/c"))
+        await capped.reap_at(TTL + 1.5)  # o/a only: its size stays known
+        await calls_at(capped, (TTL + 10, "o/a"))  # evicts o/b, idle longest
+
+    run(main())
+    assert evictions(capped, "o/b") == (0, 1, 0)
+    assert capped.cell("o/a", Cell.LAST_IMPORT_US) == 0  # the clock stands still in imports
+    after_eviction = int((TTL + 15) * 1_000_000)
+    assert capped.cell("o/a", Cell.LOADED_SINCE_US) == after_eviction
