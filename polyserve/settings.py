@@ -61,8 +61,27 @@ def memory_total_mb(meminfo: str = "/proc/meminfo") -> int:
     return 0
 
 
+def cgroup_limit_mb(memory_max: str = "/sys/fs/cgroup/memory.max") -> int:
+    """The cgroup v2 memory limit in MiB; 0 where none is set ("max") or readable."""
+    try:
+        with open(memory_max) as f:
+            text = f.read().strip()
+    except OSError:
+        return 0
+    return int(text) >> 20 if text.isdigit() else 0
+
+
+def memory_limit_mb(
+    meminfo: str = "/proc/meminfo", memory_max: str = "/sys/fs/cgroup/memory.max"
+) -> int:
+    """The memory this host may use, in MiB: MemTotal, or the cgroup's limit where that is
+    smaller (in a container MemTotal is the whole machine's); 0 if neither is known."""
+    known = [mb for mb in (memory_total_mb(meminfo), cgroup_limit_mb(memory_max)) if mb]
+    return min(known, default=0)
+
+
 def default_worker_memory_mb(values: dict[str, Any]) -> int:
-    return int(memory_total_mb() * MEMORY_SHARE) // values["workers"]
+    return int(memory_limit_mb() * MEMORY_SHARE) // values["workers"]
 
 
 def positive_float(text: str) -> float:
@@ -155,8 +174,9 @@ SETTINGS: tuple[Setting, ...] = (
         default_worker_memory_mb,
         "Memory cap (MiB of anonymous RSS) of each worker: past it, a load first releases the"
         " least recently used idle spaces, and a load that still does not fit is answered"
-        " 503 with Retry-After (0: no cap).",
-        "MemTotal / 2 / POLYSERVE_WORKERS",
+        " 503 with Retry-After (0: no cap). The default takes the smaller of MemTotal and"
+        " the cgroup v2 limit (/sys/fs/cgroup/memory.max) when one is set.",
+        "min(MemTotal, memory.max) / 2 / POLYSERVE_WORKERS",
     ),
     Setting(
         "request_timeout",

@@ -130,10 +130,29 @@ def test_the_scrubbed_environment_has_no_token_variables(token_env):
 
 def test_the_worker_memory_cap_defaults_to_half_the_machine_split_among_the_workers():
     """MemTotal / 2 / POLYSERVE_WORKERS unless set; 0 means no cap; negative is refused."""
-    total = settings.memory_total_mb()
+    total = settings.memory_limit_mb()
     assert total > 0  # Linux: /proc/meminfo
     assert settings.load({"POLYSERVE_WORKERS": "4"}).worker_memory_mb == total // 2 // 4
     assert settings.load({"POLYSERVE_WORKER_MEMORY_MB": "0"}).worker_memory_mb == 0
     for bad in ("-1", "lots"):
         with pytest.raises(ValueError, match=f"POLYSERVE_WORKER_MEMORY_MB='{bad}'"):
             settings.load({"POLYSERVE_WORKER_MEMORY_MB": bad})
+
+
+def test_the_memory_the_default_cap_divides_is_the_cgroup_limit_when_it_is_smaller(tmp_path):
+    """A cgroup v2 memory.max under MemTotal wins; "max", a bigger one or none leaves
+    MemTotal."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       8388608 kB\nMemFree:  1 kB\n")  # 8 GiB
+    memory_max = tmp_path / "memory.max"
+
+    def limit() -> int:
+        return settings.memory_limit_mb(str(meminfo), str(memory_max))
+
+    assert limit() == 8192  # no cgroup file
+    memory_max.write_text("max\n")
+    assert limit() == 8192
+    memory_max.write_text(f"{2 << 30}\n")
+    assert limit() == 2048
+    memory_max.write_text(f"{16 << 30}\n")
+    assert limit() == 8192
