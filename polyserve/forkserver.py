@@ -186,6 +186,8 @@ class _Server:
         for stream in (sys.stdout, sys.stderr):  # nothing buffered here may reach the child
             with contextlib.suppress(Exception):
                 stream.flush()
+        server = os.getpid()  # read before the fork: the child's getppid() may already
+        # name the reaper if this process dies in between
         try:
             pid = os.fork()
         except OSError as exc:  # no memory or process left: this worker spawns instead
@@ -195,7 +197,7 @@ class _Server:
             client.close()
             return
         if pid == 0:
-            self._child(client, argv, env, fds)  # never returns
+            self._child(server, client, argv, env, fds)  # never returns
         for fd in fds:
             os.close(fd)  # the child's pipes must end when the child's copies do
         pidfd = os.pidfd_open(pid)
@@ -224,11 +226,15 @@ class _Server:
         client.close()
 
     def _child(
-        self, asked: socket.socket, argv: list[str], env: dict[str, str] | None, fds: list[int]
+        self,
+        server: int,
+        asked: socket.socket,
+        argv: list[str],
+        env: dict[str, str] | None,
+        fds: list[int],
     ) -> None:
         """In the forked child: become what a spawned validator is, then run it."""
         try:
-            server = os.getppid()
             os.setsid()  # its own group: the timeout kills whatever the import spawned
             # Nothing outlives the server (the master stops it, or it dies with it).
             ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -376,29 +382,48 @@ async def fork(name: str, argv: list[str], env: Mapping[str, str] | None) -> For
     client.setblocking(False)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    pipes: list[tuple[asyncio.BaseTransport, asyncio.StreamReader]] = []
     try:
-        await asyncio.wait_for(loop.sock_connect(client, _address(name)), _HANDSHAKE_S)
-        request = {"argv": argv, "env": None if env is None else dict(env)}
-        socket.send_fds(client, [json.dumps(request).encode()], [out_w, err_w])
-        reply = await asyncio.wait_for(loop.sock_recv(client, _MAX_MESSAGE), _HANDSHAKE_S)
-        pid = int(json.loads(reply)["pid"])
-    except (OSError, ValueError, KeyError, TypeError, TimeoutError):
+        try:
+            await asyncio.wait_for(loop.sock_connect(client, _address(name)), _HANDSHAKE_S)
+            request = {"argv": argv, "env": None if env is None else dict(env)}
+            socket.send_fds(client, [json.dumps(request).encode()], [out_w, err_w])
+            reply = await asyncio.wait_for(loop.sock_recv(client, _MAX_MESSAGE), _HANDSHAKE_S)
+            pid = int(json.loads(reply)["pid"])
+        finally:
+            os.close(out_w)  # the child holds the only write ends now
+            os.close(err_w)
+        # _reader owns each read end from its call on, failing or not.
+        fd, out_r = out_r, -1
+        pipes.append(await _reader(fd))
+        fd, err_r = err_r, -1
+        pipes.append(await _reader(fd))
+    except BaseException as exc:
+        # Cancelled (a deploy given up) included: nothing of this attempt may stay open.
         client.close()  # a server that forked after all kills that child on the hang-up
-        os.close(out_r)
-        os.close(err_r)
-        return None
-    finally:
-        os.close(out_w)  # the child holds the only write ends now
-        os.close(err_w)
-    return Forked(pid, client, [await _reader(out_r), await _reader(err_r)])
+        for transport, _ in pipes:
+            transport.close()
+        for fd in (out_r, err_r):
+            if fd != -1:
+                os.close(fd)
+        if isinstance(exc, (OSError, ValueError, KeyError, TypeError, TimeoutError)):
+            return None
+        raise
+    return Forked(pid, client, pipes)
 
 
 async def _reader(fd: int) -> tuple[asyncio.BaseTransport, asyncio.StreamReader]:
+    """A stream reading the pipe `fd`, which it owns: closed here if that fails."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
-    )
+    pipe = os.fdopen(fd, "rb", buffering=0)
+    try:
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe
+        )
+    except BaseException:
+        pipe.close()
+        raise
     return transport, reader
 
 

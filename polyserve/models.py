@@ -59,17 +59,23 @@ def onnx_session(
 
     `options` is an `onnxruntime.SessionOptions` (default: one intra-op and one inter-op
     thread, as a space should have); its optimization level is capped at
-    ORT_ENABLE_EXTENDED. `prepack=True` gives back prepacked weights, faster on batches
+    ORT_ENABLE_EXTENDED, and the settings sharing needs are added to it (it is changed
+    in place). `prepack=True` gives back prepacked weights, faster on batches
     of several rows, at one private copy of them per process."""
     import onnxruntime as ort
 
-    path = Path(path).resolve()
-    if options is None:
-        options = ort.SessionOptions()
+    def defaults() -> Any:
+        fresh = ort.SessionOptions()
         # The default starts a thread pool per session: hundreds of threads for
         # hundreds of spaces, and a worker serves one request at a time per space.
-        options.intra_op_num_threads = 1
-        options.inter_op_num_threads = 1
+        fresh.intra_op_num_threads = 1
+        fresh.inter_op_num_threads = 1
+        return fresh
+
+    path = Path(path).resolve()
+    given = options is not None
+    if options is None:
+        options = defaults()
     try:
         rewritten, large = skeleton(path, min_bytes)
     except (ValueError, OSError) as exc:
@@ -95,7 +101,10 @@ def onnx_session(
         # An onnxruntime without that setting (an older release) cannot place the
         # external data: the model loads from its path, unshared, or raises its own error.
         log.warning("%s: loading the model unshared (%s)", path.name, exc)
-        return ort.InferenceSession(str(path), options, providers=list(providers))
+        # Unshared, it may as well prepack: fresh options, unless the caller gave some.
+        return ort.InferenceSession(
+            str(path), options if given else defaults(), providers=list(providers)
+        )
 
 
 def skeleton(path: str | os.PathLike[str], min_bytes: int = MIN_BYTES) -> tuple[bytes | None, int]:

@@ -122,6 +122,33 @@ def test_validations_run_side_by_side(tmp_path, server):
     assert [r["kind"] for r in asyncio.run(both())] == ["handle", "handle"]
 
 
+def test_a_fork_cancelled_mid_handshake_leaves_no_descriptor_open(server):
+    """A deploy given up while the server forks closes every pipe and socket it opened."""
+
+    def open_fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    async def cancelled_forks() -> None:
+        for delay in (0, 0.0005, 0.002, 0.01):
+            task = asyncio.ensure_future(
+                forkserver.fork(server.name, ["/nonexistent", "main.py", "64", "1"], None)
+            )
+            await asyncio.sleep(delay)
+            task.cancel()
+            forked = None
+            try:
+                forked = await task
+            except asyncio.CancelledError:
+                pass
+            if forked is not None:  # it finished before the cancel: close it as a caller does
+                forked.close()
+        await asyncio.sleep(0)  # let closed transports finish closing
+
+    before = open_fds()
+    asyncio.run(cancelled_forks())
+    assert open_fds() == before
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
 def test_a_process_of_another_user_gets_no_child(tmp_path, server):
     """The abstract socket has no file permissions: the server checks the peer's uid."""
