@@ -11,8 +11,10 @@ and on_headers_complete are uvicorn's own, copied with the checks between their 
 tests/test_http_strict.py fails when uvicorn changes them):
 
 - gunicorn's `limit_request_line` (414), `limit_request_fields` and
-  `limit_request_field_size` (431), which uvicorn's worker ignores, and a bound on the
-  bytes a head still incomplete may take over several reads;
+  `limit_request_field_size` (431), which uvicorn's worker ignores, trailer fields
+  included, and a bound on the bytes a connection may send without the parser getting
+  anywhere (a head or a trailer section still incomplete, chunk framing): httptools
+  joins the pieces of a field with `+=` and calls back only once it ends;
 - `Content_Length` / `Transfer_Encoding` (proxies may read them as the real ones), a
   duplicated `Host`, an HTTP/1.1 request without one, Transfer-Encoding on HTTP/1.0;
 - versions other than 1.0 and 1.1, and `*` as the target of a method other than OPTIONS;
@@ -33,7 +35,7 @@ import urllib.parse
 from typing import Any, ClassVar
 
 import httptools
-from uvicorn.protocols.http.flow_control import service_unavailable
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, service_unavailable
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
     HttpToolsProtocol,
@@ -90,15 +92,24 @@ class Refused(Exception):
 
 
 class Trailers(list[tuple[bytes, bytes]]):
-    """What `self.headers` is once a head is complete: on_header appends a chunked body's
-    trailer fields here, which refuses those that may not be trailers and keeps none."""
+    """What `self.headers` is once a head is complete (one per connection): on_header
+    appends a chunked body's trailer fields here, which refuses those that may not be
+    trailers, keeps none and counts the others, so that on_header's `len(headers)` bounds
+    them by limit_request_fields, as gunicorn does."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0  # on_headers_complete resets it for each request
 
     def append(self, field: tuple[bytes, bytes]) -> None:
         if field[0] in NOT_IN_TRAILERS:
             raise Refused(400, f"{field[0].decode()} may not be a trailer field (RFC 9110 6.5.1)")
+        self.seen += 1
 
-
-TRAILERS = Trailers()  # keeps nothing: one for every connection
+    def __len__(self) -> int:
+        return self.seen
 
 
 def limits(cfg: Any) -> dict[str, int]:
@@ -117,7 +128,8 @@ def limits(cfg: Any) -> dict[str, int]:
         "max_line": line or 1 << 30,
         "max_fields": fields,
         "max_field_size": field_size,
-        # What a head may take at most, CRLFs included: beyond it, a field is too large.
+        # What a head (or a trailer section) may take at most, CRLFs included: beyond it, a
+        # field is too large or there are too many.
         "head_budget": (line or MAX_REQUEST_LINE) + fields * (field_size + 2),
     }
 
@@ -132,7 +144,7 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
     # instance's attributes no longer share their class's keys (CPython's
     # SHARED_KEYS_MAX_SIZE), which made every attribute read of uvicorn's own code slower:
     # about 3 µs of the first version's 5 per request (bench/NOTES.md).
-    __slots__ = ("head_bytes", "head_done", "host_of")
+    __slots__ = ("head_bytes", "host_of", "trailers")
 
     max_line: ClassVar[int] = 4094
     max_fields: ClassVar[int] = 100
@@ -144,16 +156,22 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
         # Per-request state without a per-request reset: uvicorn's on_message_begin gives
         # each request a new `self.headers` list, so "this request has a Host" is
         # `self.host_of is self.headers`, and "its head is complete" is
-        # `self.head_done is self.headers` (on_headers_complete sets it).
+        # `self.headers is self.trailers` (on_headers_complete sets it).
         self.host_of: object = None
-        self.head_done: object = None
-        self.head_bytes = 0  # of reads that ended inside the current head
+        self.trailers = Trailers()
+        # Bytes of the reads since the last one in which the parser got somewhere: a
+        # message ended, a head complete, a body byte (the callbacks reset it). So it
+        # counts what a head, a trailer section or chunk framing took over several reads,
+        # never a previous request's bytes: the read that ends one message and begins the
+        # next head counts nothing, so the bound holds within one read (256 KB on uvloop).
+        self.head_bytes = 0
 
     def data_received(self, data: bytes) -> None:
         # uvicorn's data_received (tests/test_http_strict.py checks that it still is), with
-        # a refusal's own status and the bound on a head spread over several reads.
+        # a refusal's own status and the bound on bytes that get the parser nowhere.
         self._unset_keepalive_if_required()
 
+        self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -169,15 +187,27 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
             else:
                 self._unsupported_upgrade_warning()
             return
-        if self.head_done is not self.headers:
-            self.head_bytes += len(data)
-            if self.head_bytes > self.head_budget:
+        if self.head_bytes > self.head_budget:
+            if self.headers is self.trailers:
+                self.refuse(431, f"trailer section larger than {self.head_budget} bytes")
+            else:
                 self.refuse(431, f"request head larger than {self.head_budget} bytes")
 
     def refuse(self, status: int, message: str) -> None:
-        """Answer `status` with a JSON body that says what was wrong, and close."""
+        """Answer `status` with a JSON body that says what was wrong, and close; or only
+        close, when a response has begun that the answer would land in or after."""
         self.logger.warning("Refused an HTTP request (%d): %s", status, message)
         self.cancel_unstarted()
+        cycle = self.cycle
+        if (
+            cycle is not None
+            and cycle.response_started
+            # A new head's refusal may follow a previous request's complete response;
+            # the body or trailers of one already answered may not.
+            and (self.headers is self.trailers or not cycle.response_complete)
+        ):
+            self.transport.close()
+            return
         content = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             content.extend([name, b": ", value, b"\r\n"])
@@ -280,8 +310,7 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
             )
         self.head_bytes = 0
         if self.parser.should_upgrade() and self._should_upgrade():
-            self.head_done = self.headers  # uvicorn reads them again for the upgrade
-            return
+            return  # uvicorn reads self.headers again for the upgrade
         parsed_url = httptools.parse_url(url)
         raw_path = parsed_url.path
         path = raw_path.decode("ascii")
@@ -325,5 +354,32 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
             # Pipelined HTTP requests need to be queued up.
             self.flow.pause_reading()
             self.pipeline.appendleft((self.cycle, app))
-        # The trailers of a chunked body, if any, go to TRAILERS, not to the scope's list.
-        self.headers = self.head_done = TRAILERS
+        # The trailers of a chunked body, if any, go to self.trailers, not to the scope's
+        # list.
+        trailers = self.trailers
+        trailers.seen = 0
+        self.headers = trailers
+
+    def on_body(self, body: bytes) -> None:
+        # uvicorn's on_body (tests/test_http_strict.py checks that it still is), a body
+        # byte resetting the count of bytes that got the parser nowhere.
+        self.head_bytes = 0
+        if (
+            self.parser.should_upgrade() and self._should_upgrade()
+        ) or self.cycle.response_complete:
+            return
+        self.cycle.body += body
+        if len(self.cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        self.cycle.message_event.set()
+
+    def on_message_complete(self) -> None:
+        # uvicorn's on_message_complete (tests/test_http_strict.py checks that it still
+        # is): the next head's count starts here, not with this message's last bytes.
+        self.head_bytes = 0
+        if (
+            self.parser.should_upgrade() and self._should_upgrade()
+        ) or self.cycle.response_complete:
+            return
+        self.cycle.more_body = False
+        self.cycle.message_event.set()

@@ -16,6 +16,7 @@ import json
 import re
 import socket
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -139,6 +140,11 @@ CASES: dict[str, bytes] = {
     "Content-Type in a trailer": CHUNKED + b"5\r\nhello\r\n0\r\nContent-Type: a/b\r\n\r\n",
     "a bad name in a trailer": CHUNKED + b"5\r\nhello\r\n0\r\nX Y: v\r\n\r\n",
     "a control character in a trailer": CHUNKED + b"5\r\nhello\r\n0\r\nX-Y: a\x01\r\n\r\n",
+    "101 trailer fields": CHUNKED + b"5\r\nhello\r\n0\r\n" + fields(101) + b"\r\n",
+    "a trailer field over limit_request_field_size": CHUNKED
+    + b"5\r\nhello\r\n0\r\nX-Big: "
+    + b"v" * 9000
+    + b"\r\n\r\n",
     # -- the request line: RFC 9112 2.3, 3; RFC 9110 9.1
     "HTTP/1.2": b"GET /T HTTP/1.2\r\n" + H + b"\r\n",
     "HTTP/2.0 on HTTP/1": b"GET /T HTTP/2.0\r\n" + H + b"\r\n",
@@ -177,16 +183,21 @@ def exchange(host: HostProcess, request: bytes) -> bytes:
         # Refused mid-send (a large head): the answer may still be there to read.
         with contextlib.suppress(OSError):
             s.sendall(request)
-        got = b""
-        while not complete(got):
-            try:
-                data = s.recv(65536)
-            except ConnectionResetError:
-                break
-            if not data:
-                break
-            got += data
-        return got
+        return read_answer(s)
+
+
+def read_answer(s: socket.socket) -> bytes:
+    """The next answer on `s`, or what came before the server closed the connection."""
+    got = b""
+    while not complete(got):
+        try:
+            data = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        got += data
+    return got
 
 
 def complete(answer: bytes) -> bool:
@@ -205,9 +216,9 @@ def assert_refused(answer: bytes) -> None:
         assert json.loads(body)["error"], body
 
 
-def counters(host: HostProcess) -> dict[str, int]:
+def counters(host: HostProcess, space: str = SPACE) -> dict[str, int]:
     """The space's usage counters that a request moves."""
-    usage = host.get("/_polyserve/usage").json()["spaces"][SPACE]
+    usage = host.get("/_polyserve/usage").json()["spaces"][space]
     return {k: usage[k] for k in ("requests", "busy_ms", "errors")}
 
 
@@ -216,6 +227,17 @@ def space(strict_host: HostProcess) -> HostProcess:
     r = strict_host.deploy(SPACE, HANDLE)
     assert r.status_code == 200, r.text
     return strict_host
+
+
+READER = "o/reader"  # a space that reads the whole body before it answers
+
+
+@pytest.fixture(scope="module")
+def reader(space: HostProcess) -> HostProcess:
+    handle = b"async def handle(request):\n    return {'n': len(await request.body())}\n"
+    r = space.deploy(READER, handle)
+    assert r.status_code == 200, r.text
+    return space
 
 
 def test_enough_distinct_cases():
@@ -265,19 +287,15 @@ def test_valid_requests_still_pass(space, request_):
     assert status and status[0][:1] in (b"2", b"4") and status[0] not in REFUSED, answer[:300]
 
 
+def tight_host(host_factory: Any, fields: int) -> HostProcess:
+    """A host with small limit_request_* settings: a line of 200, `fields`, 300 a field."""
+    limits = ("--limit-request-line", "200", "--limit-request-fields", str(fields))
+    return host_factory(workers=1, args=(*limits, "--limit-request-field_size", "300"))
+
+
 def test_gunicorn_limit_settings_are_honoured(host_factory):
     """gunicorn's limit_request_* settings, given on its command line, are applied."""
-    tight = host_factory(
-        workers=1,
-        args=(
-            "--limit-request-line",
-            "200",
-            "--limit-request-fields",
-            "5",
-            "--limit-request-field_size",
-            "300",
-        ),
-    )
+    tight = tight_host(host_factory, fields=5)
     line = b"GET /?" + b"q" * 200 + b" HTTP/1.1\r\nHost: a\r\n\r\n"
     assert exchange(tight, line).startswith(b"HTTP/1.1 414 ")
     assert exchange(tight, GET.replace(b"/T", b"/") + fields(5) + b"\r\n").startswith(
@@ -287,6 +305,81 @@ def test_gunicorn_limit_settings_are_honoured(host_factory):
     assert exchange(tight, big).startswith(b"HTTP/1.1 431 ")
     ok = GET.replace(b"/T", b"/_polyserve/health") + fields(3) + b"X-B: " + b"v" * 200 + b"\r\n\r\n"
     assert exchange(tight, ok).startswith(b"HTTP/1.1 200 ")
+
+
+def read_to_close(s: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (or resets it)."""
+    answer = b""
+    with contextlib.suppress(OSError):
+        while data := s.recv(65536):
+            answer += data
+    return answer
+
+
+def memory_kb(pid: int) -> int:
+    """The peak resident memory of process `pid` (VmHWM), in kB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status)[1])  # type: ignore[index]
+
+
+def test_a_trailer_field_that_never_ends_is_refused(reader):
+    """A chunked body's last trailer field, streamed without an end, is refused within a
+    head's budget: the worker does not hold what was sent and serves the next request."""
+    (pid,) = reader.worker_pids()
+    assert reader.get("/s/o/reader/").json() == {"n": 0}
+    before, peak = counters(reader, READER), memory_kb(pid)
+    sent, piece = 0, b"v" * (1 << 20)
+    with socket.create_connection(("127.0.0.1", reader.port), timeout=30) as s:
+        with contextlib.suppress(OSError):
+            s.sendall(CHUNKED.replace(b"/T", b"/s/o/reader/") + b"5\r\nhello\r\n0\r\nX-Foo: ")
+            for _ in range(32):  # 32 MiB, in writes of 1 MiB: many reads of the worker's
+                s.sendall(piece)
+                sent += len(piece)
+        grown = memory_kb(pid) - peak  # before the socket closes: held, or not
+        answer = read_to_close(s)
+    assert grown < (32 << 10) // 4, f"the worker's peak memory grew by {grown} kB"
+    assert sent < 32 << 20, "the worker read all 32 MiB without refusing"
+    assert_refused(answer)
+    # Its head was read long before: it reached the space as a client disconnect while
+    # the space read its body, metered as a request that failed (README, "Limits and
+    # bad input").
+    after = counters(reader, READER)
+    assert (after["requests"], after["errors"]) == (before["requests"] + 1, before["errors"] + 1)
+    assert reader.worker_pids() == {pid}
+    assert reader.get("/s/o/reader/").json() == {"n": 0}
+
+
+def test_many_small_trailer_fields_over_several_reads_are_refused(reader):
+    """Small trailer fields streamed past limit_request_fields are refused, the space
+    unaffected."""
+    trailers = fields(101) + b"\r\n"  # the 101st is refused once the section ends
+    with socket.create_connection(("127.0.0.1", reader.port), timeout=30) as s:
+        s.sendall(CHUNKED.replace(b"/T", b"/s/o/reader/") + b"5\r\nhello\r\n0\r\n")
+        # In several writes, but none after the refusal: what the worker has not read
+        # when it closes would reset the connection, and the answer with it.
+        for start in range(0, len(trailers), 256):
+            s.sendall(trailers[start : start + 256])
+        answer = read_to_close(s)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:300]
+    assert b"limit_request_fields" in answer
+    assert reader.get("/s/o/reader/").json() == {"n": 0}
+
+
+def test_pipelined_bodies_do_not_count_against_the_next_head(host_factory):
+    """Under small limit_request_* settings, a pipelined request's body read with the next
+    head's first bytes does not count as that head's: both requests are answered."""
+    tight = tight_host(host_factory, fields=10)  # a head's budget: 200 + 10 * 302 bytes
+    assert tight.deploy(SPACE, HANDLE).status_code == 200
+    post = b"POST /s/o/x/ HTTP/1.1\r\nHost: a\r\nContent-Length: 8000\r\n\r\n" + b"b" * 8000
+    head = post[: post.index(b"\r\n\r\n")]
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=30) as s:
+        # One write: the first request, then the second's head but its last CRLF.
+        s.sendall(post + head)
+        first = read_answer(s)
+        assert first.startswith(b"HTTP/1.1 200 "), first[:300]
+        s.sendall(post[len(head) :])
+        second = read_answer(s)
+        assert second.startswith(b"HTTP/1.1 200 "), second[:300]
 
 
 # uvicorn 0.54's HttpToolsProtocol methods that StrictHttpToolsProtocol copies.
@@ -363,11 +456,33 @@ def on_headers_complete(self) -> None:
 """
 
 
+UPSTREAM_ON_BODY = """
+def on_body(self, body: bytes) -> None:
+    if (self.parser.should_upgrade() and self._should_upgrade()) or self.cycle.response_complete:
+        return
+    self.cycle.body += body
+    if len(self.cycle.body) > HIGH_WATER_LIMIT:
+        self.flow.pause_reading()
+    self.cycle.message_event.set()
+"""
+
+
+UPSTREAM_ON_MESSAGE_COMPLETE = """
+def on_message_complete(self) -> None:
+    if (self.parser.should_upgrade() and self._should_upgrade()) or self.cycle.response_complete:
+        return
+    self.cycle.more_body = False
+    self.cycle.message_event.set()
+"""
+
+
 @pytest.mark.parametrize(
     ("method", "copied"),
     [
         ("data_received", UPSTREAM_DATA_RECEIVED),
         ("on_headers_complete", UPSTREAM_ON_HEADERS_COMPLETE),
+        ("on_body", UPSTREAM_ON_BODY),
+        ("on_message_complete", UPSTREAM_ON_MESSAGE_COMPLETE),
     ],
 )
 def test_upstream_methods_are_what_strict_py_copied(method, copied):
@@ -436,3 +551,41 @@ def test_allowed_trailer_fields_are_dropped():
         )
     )
     assert scope["headers"] == [(b"host", b"a"), (b"transfer-encoding", b"chunked")]
+
+
+class _Recording(_Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.closed = False
+
+    def write(self, data: Any) -> None:
+        self.written += bytes(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def _refused_after_the_answer() -> _Recording:
+    config = Config(app=_ok, lifespan="off", log_level="critical")
+    config.load()
+    protocol = strict.protocol(GunicornConfig())(
+        config=config, server_state=ServerState(), app_state={}
+    )
+    transport = _Recording()
+    protocol.connection_made(transport)
+    protocol.data_received(CHUNKED.replace(b"/T", b"/") + b"5\r\nhello\r\n0\r\nX-Foo: ")
+    await asyncio.sleep(0)
+    assert protocol.cycle.response_complete and b" 200 " in transport.written
+    for _ in range(20):  # a trailer field without an end, 1.3 MB: past the budget
+        if not transport.closed:
+            protocol.data_received(b"v" * 65536)
+    return transport
+
+
+def test_a_refusal_after_the_answer_only_closes():
+    """Trailers refused after the app answered close the connection: no second status
+    line follows the answer."""
+    transport = asyncio.run(_refused_after_the_answer())
+    assert transport.closed
+    assert transport.written.count(b"HTTP/1.1 ") == 1, transport.written
