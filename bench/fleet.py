@@ -50,12 +50,24 @@ def fleet_hosts(tmp: Path, url: str, names: list[str], **env: str) -> list[harne
     ]
 
 
+def live_hosts(url: str, n: int, timeout_s: float = 30) -> None:
+    """Wait until the fleet lists `n` live hosts: one not there yet is not waited for."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        hosts = httpx2.get(url + "/_polyserve/fleet", timeout=10).json()["hosts"]
+        if sum(h["live"] for h in hosts) >= n:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"the fleet never listed {n} live hosts")
+
+
 def deploys(tmp: Path, url: str, n: int) -> dict:
     """Deploy -> 200 on all of 3 hosts, alternated with deploys to one host alone."""
     single, fleet = [], []
     with harness.polyserve(1, tmp / "single") as alone:
         hosts = fleet_hosts(tmp, url, ["a", "b", "c"])
         try:
+            live_hosts(hosts[0].url, 3)  # a fast deploy must not beat a host's first heartbeat
             for i in range(1, n + 1):
                 ms, _ = timed_deploy(alone.url, "bench/one", i)
                 single.append(ms)

@@ -193,14 +193,16 @@ def scenario_scaling(args, tmp: Path) -> dict:
 
 
 def run_script(name: str, *argv: str) -> dict:
-    out = subprocess.run(
+    done = subprocess.run(
         [sys.executable, str(REPO / "bench" / name), *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout
-    return json.loads(out)
+    )
+    if done.returncode:  # say why: the traceback is in the script's stderr
+        sys.stderr.write(done.stderr)
+        done.check_returncode()
+    return json.loads(done.stdout)
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -624,6 +626,10 @@ def main() -> None:
                 continue
             print(f"-- {name}", file=sys.stderr, flush=True)
             results["scenarios"][name] = scenario(args, Path(tmp))
+            # After each scenario: one that fails keeps what ran before it, and
+            # `--only` of the rest then completes the day's results.
+            args.out.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(results, indent=1) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")
     import report
