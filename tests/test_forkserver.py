@@ -5,6 +5,7 @@ without it, a deploy spawns its validator as before."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -136,10 +137,8 @@ def test_a_fork_cancelled_mid_handshake_leaves_no_descriptor_open(server):
             await asyncio.sleep(delay)
             task.cancel()
             forked = None
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 forked = await task
-            except asyncio.CancelledError:
-                pass
             if forked is not None:  # it finished before the cancel: close it as a caller does
                 forked.close()
         await asyncio.sleep(0)  # let closed transports finish closing
