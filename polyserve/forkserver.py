@@ -57,6 +57,7 @@ _WARM = (
     "compileall",
     "polyserve.validate",
     "polyserve.loader",
+    "polyserve.models",  # what model spaces load with (docs/models.md), ~6 ms
     "anyio.to_thread",
     "anyio._backends._asyncio",  # imported at anyio's first use in a loop, ~25 ms
 )
