@@ -105,6 +105,8 @@ def markdown(results: dict, chart_path: Path, base: Path) -> str:
         ]
         if "c32" in s:
             lines += _ab_table(s)
+            if "in_process" in s:  # the same comparison without sockets (CPU µs per request)
+                lines += ["", "In-process:", "", "```json", _json(s["in_process"]), "```"]
         else:
             skip = {"a", "b", "goal", "met"}
             lines += ["```json", _json({k: v for k, v in s.items() if k not in skip}), "```"]

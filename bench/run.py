@@ -151,6 +151,7 @@ def scenario_model_server(args, tmp: Path) -> dict:
 
 
 def scenario_model_inprocess(args, tmp: Path) -> dict:
+    inprocess = run_script("inprocess.py", "--rounds", str(max(100, args.rounds * 40)))
     runs = against_baseline(
         args,
         tmp,
@@ -160,9 +161,11 @@ def scenario_model_inprocess(args, tmp: Path) -> dict:
     )
     return {
         "a": "the onnx-tiny space on polyserve",
-        "b": "the same model in a plain Starlette app on bare gunicorn",
+        "b": "the same model in a plain Starlette app on bare gunicorn; in-process, the"
+        " two apps behind their protocols alone (bench/inprocess.py)",
         "goal": "throughput ratio >= 0.95",
         "met": runs["c32"]["rps_ratio"] >= 0.95,
+        "in_process": inprocess,
         **runs,
     }
 

@@ -368,9 +368,6 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": "internal error; see the host log"}, status_code=500)
 
 
-_SPACE_PATH = re.compile(r"/s/([^/]+)/([^/]+)(/.*)?", re.DOTALL)
-
-
 class HostApp:
     """The ASGI entry's two faces. `/s/{owner}/{name}/…` goes straight to the space, with
     the scope Starlette's Mount would give it (path kept, root_path extended, owner and
@@ -417,14 +414,19 @@ class HostApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
             root, path = scope.get("root_path", ""), scope["path"]
-            match = _SPACE_PATH.fullmatch(path[len(root) :] if path.startswith(root) else path)
-            if match:
-                owner, name, rest = match.groups()
-                if rest is None:  # /s/owner/name: on to its root, as Starlette's router does
-                    return await _answer_redirect(scope, receive, send)
-                scope["path_params"] = {"owner": owner, "name": name}
-                scope["root_path"] = f"{root}/s/{owner}/{name}"
-                return await self._dispatch(scope, receive, send)
+            if root and path.startswith(root):
+                path = path[len(root) :]
+            # /s/{owner}/{name}/…, both non-empty; string methods, not a regex: this runs
+            # for every request and a match cost several times a split.
+            if path.startswith("/s/"):
+                parts = path.split("/", 4)  # "", "s", owner, name[, the rest]
+                if len(parts) > 3 and parts[2] and parts[3]:
+                    owner, name = parts[2], parts[3]
+                    if len(parts) == 4:  # /s/owner/name: on to its root, as Starlette's does
+                        return await _answer_redirect(scope, receive, send)
+                    scope["path_params"] = {"owner": owner, "name": name}
+                    scope["root_path"] = f"{root}/s/{owner}/{name}"
+                    return await self._dispatch(scope, receive, send)
         await self.control_app(scope, receive, send)
 
 

@@ -369,14 +369,25 @@ class HandleApp:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1003})
             return
-        request = Request(scope, receive, send)
+        response = await self.respond(Request(scope, receive, send))
+        await response(scope, receive, send)
+
+    async def respond(self, request: Request) -> Response:
+        """handle()'s answer as a Response, not sent yet: dispatch sends a plain one
+        itself (Dispatch._call)."""
         if self.is_async:
             result = await self.handle(request)
         else:
             if self.limiter is None:
                 self.limiter = anyio.CapacityLimiter(self.threads)
             result = await anyio.to_thread.run_sync(self.handle, request, limiter=self.limiter)
-        await to_response(result)(scope, receive, send)
+        return to_response(result)
+
+
+def is_plain(response: Response) -> bool:
+    """A body in memory and nothing to run after it: sending it runs no tenant code, so
+    the request's time and count are settled before it is sent."""
+    return type(response).__call__ is Response.__call__ and response.background is None
 
 
 _ORJSON = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS

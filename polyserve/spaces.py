@@ -148,18 +148,25 @@ class Registry:
 
     # -- the request path -----------------------------------------------------------
 
+    def lease_current(self, space: str) -> Active | None:
+        """lease() when it need not wait, the warm request (a call, not a coroutine):
+        the version held is current. None otherwise."""
+        active = self.active.get(space)
+        if active is not None and active.generation == self.broadcast.generation(active.slot):
+            active.inflight += 1
+            return active
+        return None
+
     async def lease(self, space: str) -> Active:
         """The version to serve this request with, leased until end_lease()."""
         while True:
+            active = self.lease_current(space)
+            if active is not None:
+                return active
             slot = self._slots.get(space)
             if slot is None:
                 slot = self._find_slot(space)
             generation = self.broadcast.generation(slot)
-            active = self.active.get(space)
-            if active is not None and active.generation == generation:
-                active.inflight += 1
-                return active
-            del active  # a stale one: waiting here must not keep it from the collection
             other = self._other_pool.get(space)
             if other is not None and other[0] == generation and self.pool is not None:
                 raise OtherPool(space, other[1], self.pool)

@@ -35,6 +35,12 @@ def test_cold_start_bench_runs_one_short_round():
     assert result["reimport_second_half"]["modules_growth"] == 0
 
 
+def test_inprocess_bench_runs_one_short_round():
+    """polyserve's worker app and the plain Starlette app, in one process, both answer."""
+    result = run_bench("inprocess.py", "--rounds", "2", "--requests", "20")
+    assert result["rounds"] == 2 and result["a_median_us"] > 0 and result["b_median_us"] > 0
+
+
 @pytest.mark.gunicorn  # starts two one-worker hosts
 def test_memory_cap_bench_runs_one_short_round():
     """A few spaces, capped and not: both runs answer every request."""
