@@ -119,14 +119,20 @@ class ForkServer:
 
     def stop(self) -> None:
         """At exit: SIGTERM, on which it kills its children's groups; SIGKILL if slow."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=_STOP_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            stop_child(self.proc, _STOP_S)
+
+
+def stop_child(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM a child of this process and reap it; SIGKILL it after `timeout` s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 # -- the server --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 
 from polyserve import auth, meter, warmup
 from polyserve import settings as settings_mod
-from polyserve.forkserver import ForkServer
+from polyserve.forkserver import ForkServer, stop_child
 from polyserve.leftover import Leftover
 from polyserve.shm import H_STARTED, Table, segment_name
 from polyserve.store import Store
@@ -85,13 +85,8 @@ class _Master:
 
     def unfollow(self) -> None:
         """At exit, after the workers: the follower writes the last usage and leaves."""
-        if self.follower is not None and self.follower.poll() is None:
-            self.follower.terminate()
-            try:
-                self.follower.wait(timeout=_FOLLOWER_STOP_S)
-            except subprocess.TimeoutExpired:
-                self.follower.kill()
-                self.follower.wait()
+        if self.follower is not None:
+            stop_child(self.follower, _FOLLOWER_STOP_S)
 
     def checkpoint(self) -> None:
         """Write the totals; first fold in the late counts of a dead master's workers,
