@@ -102,7 +102,8 @@ async def rounds(count: int, n: int) -> dict[str, object]:
         )
         for side in (a, b):  # the load, then warm
             await side.per_request_us(n)
-        assert a.transport.last == b.transport.last, "A and B answered differently"
+        answers = [(s.transport.before_last, s.transport.last) for s in (a, b)]
+        assert answers[0] == answers[1], f"A and B answered differently: {answers}"
         got: dict[str, list[float]] = {"a": [], "b": []}
         for round_ in range(count):
             order = ((a, "a"), (b, "b")) if round_ % 2 == 0 else ((b, "b"), (a, "a"))

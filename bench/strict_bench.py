@@ -40,12 +40,12 @@ class Transport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.writes = 0
-        self.last = b""  # the latest write, so that answers can be compared
+        self.last = self.before_last = b""  # an answer's head and body, to compare
         self.closed = False
 
     def write(self, data: Any) -> None:
         self.writes += 1
-        self.last = data
+        self.before_last, self.last = self.last, data
 
     def close(self) -> None:
         self.closed = True

@@ -164,11 +164,24 @@ class Dispatch:
         speaking = spacelog.CURRENT.set(imported.log)
         try:
             if kind == "handle" and scope["type"] == "http":
-                # handle()'s answer is in hand before a byte is sent: a plain one is
-                # counted and sent here, without the wrapped send and HandleApp's layer
-                # (part of what bench/inprocess.py measured, bench/NOTES.md).
+                # handle()'s answer is in hand before a byte is sent: a dict or list,
+                # or a plain Response, is counted and sent here, without the wrapped
+                # send and HandleApp's layer (bench/NOTES.md, the onnx-tiny path).
                 handler = cast(loader.HandleApp, imported.app)  # kind "handle" is one
-                response = await handler.respond(Request(scope, receive, send))
+                result = await handler.result(Request(scope, receive, send))
+                answer_type = type(result)
+                plain_json = answer_type is dict or answer_type is list  # not subclasses
+                body = loader.json_body(result) if plain_json else None
+                if body is not None:
+                    # The bytes Starlette's Response would send, without building one.
+                    status = 200
+                    self.deadlines.leave(task)
+                    count(status)
+                    headers = loader.json_headers(body)
+                    await send({"type": "http.response.start", "status": 200, "headers": headers})
+                    await send({"type": "http.response.body", "body": body})
+                    return status
+                response = loader.to_response(result)
                 if loader.is_plain(response):
                     status = response.status_code
                     self.deadlines.leave(task)

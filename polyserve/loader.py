@@ -369,19 +369,17 @@ class HandleApp:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1003})
             return
-        response = await self.respond(Request(scope, receive, send))
+        response = to_response(await self.result(Request(scope, receive, send)))
         await response(scope, receive, send)
 
-    async def respond(self, request: Request) -> Response:
-        """handle()'s answer as a Response, not sent yet: dispatch sends a plain one
-        itself (Dispatch._call)."""
+    async def result(self, request: Request) -> Any:
+        """What handle() returned, not sent yet: dispatch sends the common answers itself
+        (Dispatch._call), and to_response() makes a Response of the rest."""
         if self.is_async:
-            result = await self.handle(request)
-        else:
-            if self.limiter is None:
-                self.limiter = anyio.CapacityLimiter(self.threads)
-            result = await anyio.to_thread.run_sync(self.handle, request, limiter=self.limiter)
-        return to_response(result)
+            return await self.handle(request)
+        if self.limiter is None:
+            self.limiter = anyio.CapacityLimiter(self.threads)
+        return await anyio.to_thread.run_sync(self.handle, request, limiter=self.limiter)
 
 
 def is_plain(response: Response) -> bool:
@@ -393,17 +391,31 @@ def is_plain(response: Response) -> bool:
 _ORJSON = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
 
+def json_body(result: dict[Any, Any] | list[Any]) -> bytes | None:
+    """A dict's or list's JSON, or None where orjson cannot encode it (e.g. an int past 64
+    bits, a set): to_response() then gives the stdlib's answer, or its error. orjson: 10x
+    the stdlib's encoder, the same compact UTF-8 for what JSON allows, and numpy arrays
+    and scalars (a model's output) as lists and numbers."""
+    try:
+        return orjson.dumps(result, option=_ORJSON)
+    except TypeError:
+        return None
+
+
+def json_headers(body: bytes) -> list[tuple[bytes, bytes]]:
+    """The headers Starlette's Response(body, media_type="application/json") sends."""
+    return [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]
+
+
 def to_response(result: Any) -> Response:
     """Starlette's Response as is; dict/list as JSON; str text; bytes octet-stream; None 204."""
     if isinstance(result, Response):
         return result
     if isinstance(result, dict | list):
-        try:
-            # orjson: 10x the stdlib's encoder, the same compact UTF-8 for what JSON
-            # allows, and numpy arrays and scalars (a model's output) as lists/numbers.
-            return Response(orjson.dumps(result, option=_ORJSON), media_type="application/json")
-        except TypeError:  # e.g. an int past 64 bits, a set: the stdlib's answer, or its error
+        body = json_body(result)
+        if body is None:
             return JSONResponse(result)
+        return Response(body, media_type="application/json")
     if isinstance(result, str):
         return PlainTextResponse(result)
     if isinstance(result, bytes | bytearray | memoryview):

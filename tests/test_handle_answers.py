@@ -33,6 +33,12 @@ async def handle(request):
     kind = request.query_params["kind"]
     if kind == "plain":
         return {"kind": kind}
+    if kind == "list":
+        return [1, 2.5, None, "three"]
+    if kind == "big":
+        return {"big": 2**70}  # past orjson's 64 bits: the stdlib's encoder answers
+    if kind == "set":
+        return {"set": {1, 2}}  # no JSON for a set
     if kind == "unavailable":
         return JSONResponse({"error": "not today"}, status_code=503)
     if kind == "stream":
@@ -62,6 +68,17 @@ def test_each_kind_of_answer_arrives_whole_and_is_counted_once(host):
     assert host.deploy("h/kinds", SPACE).status_code == 200
     got = [host.get("/s/h/kinds/", params={"kind": "plain"}) for _ in range(3)]
     assert [(r.status_code, r.json()) for r in got] == [(200, {"kind": "plain"})] * 3
+    for kind, body in (
+        ("plain", b'{"kind":"plain"}'),
+        ("list", b'[1,2.5,null,"three"]'),
+        ("big", b'{"big":1180591620717411303424}'),
+    ):
+        r = host.get("/s/h/kinds/", params={"kind": kind})
+        assert (r.status_code, r.content) == (200, body)
+        assert r.headers["content-type"] == "application/json"
+        assert r.headers["content-length"] == str(len(body))
+    r = host.get("/s/h/kinds/", params={"kind": "set"})
+    assert r.status_code == 500 and "raised an exception" in r.json()["error"]
     r = host.get("/s/h/kinds/", params={"kind": "unavailable"})
     assert (r.status_code, r.json()) == (503, {"error": "not today"})
     r = host.get("/s/h/kinds/", params={"kind": "subclass"})
@@ -69,7 +86,7 @@ def test_each_kind_of_answer_arrives_whole_and_is_counted_once(host):
     r = host.get("/s/h/kinds/", params={"kind": "boom"})
     assert r.status_code == 500 and "raised an exception" in r.json()["error"]
     counted = usage(host, "h/kinds")
-    assert (counted["requests"], counted["errors"]) == (6, 2)
+    assert (counted["requests"], counted["errors"]) == (10, 3)
 
 
 def test_a_streamed_answer_is_billed_until_its_last_chunk(host):
