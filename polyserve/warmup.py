@@ -22,8 +22,13 @@ def _onnxruntime() -> None:
     provider, its allocators) at the first InferenceSession of a process: 6-10 ms here,
     which every fresh worker's first model load paid. One throwaway session in the
     master builds it once. With one thread per pool it starts no thread, so the fork
-    stays as safe as importing onnxruntime was."""
+    stays as safe as importing onnxruntime was. polyserve.models, what model spaces
+    load with (docs/models.md), is imported too: a worker's own import of it was half
+    of a first onnx-tiny load (~5 ms, most of it compiling where no bytecode is
+    written, as under PYTHONDONTWRITEBYTECODE)."""
     import onnxruntime
+
+    import polyserve.models  # noqa: F401
 
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = 1

@@ -15,10 +15,11 @@ from tests.helpers import HostProcess
 PROBE = """
 import gc, sys
 HAD_ORT = "onnxruntime" in sys.modules
+HAD_MODELS = "polyserve.models" in sys.modules  # imported by the onnxruntime warm-up
 FROZEN = gc.get_freeze_count()
 import onnxruntime
 def handle(request):
-    return {"had_ort": HAD_ORT, "frozen": FROZEN}
+    return {"had_ort": HAD_ORT, "had_models": HAD_MODELS, "frozen": FROZEN}
 """
 
 
@@ -32,6 +33,7 @@ def test_the_master_imports_the_preload_before_forking_and_freezes_its_heap(host
     assert host.deploy("t/probe", PROBE).status_code == 200
     body = host.get("/s/t/probe/").json()
     assert body["had_ort"] is True  # inherited from the master, not imported here
+    assert body["had_models"] is True  # what model spaces load with, likewise
     assert body["frozen"] > 10_000  # the master's objects, moved out of the collector's way
 
 
@@ -39,7 +41,8 @@ def test_an_empty_preload_preloads_nothing(host_factory):
     host = host_factory(workers=1, POLYSERVE_PRELOAD="")
     assert not mapped(host.proc.pid, "onnxruntime_pybind11_state")
     assert host.deploy("t/probe", PROBE).status_code == 200
-    assert host.get("/s/t/probe/").json()["had_ort"] is False
+    body = host.get("/s/t/probe/").json()
+    assert (body["had_ort"], body["had_models"]) == (False, False)
 
 
 @pytest.mark.gunicorn
