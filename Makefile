@@ -32,12 +32,17 @@ build: examples run
 examples: $(VENV)/.installed-build
 	$(BIN)/python examples/python-onnx-tiny/train.py
 
-test: lint
-	$(BIN)/python -m pytest -q
+# Test processes (pytest-xdist): most of a host test is waiting on its host, so three
+# share two cores well. --dist loadfile keeps a module's tests, and the one host its
+# fixture starts, in one process.
+TEST_JOBS ?= 3
 
-# The inner loop: lint, and every test that starts no gunicorn host (under a minute).
+test: lint
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
+
+# The inner loop: lint, and every test that starts no gunicorn host.
 test-fast: lint
-	$(BIN)/python -m pytest -m "not gunicorn" -q
+	$(BIN)/python -m pytest -m "not gunicorn" -q -n $(TEST_JOBS) --dist loadfile
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .

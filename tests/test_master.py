@@ -25,11 +25,15 @@ from polyserve.shm import H_ALIVE, Table, segment_name
 from tests.helpers import HostProcess, alive, until
 
 SHM = Path("/dev/shm")
-# Answers at once, or after ?sleep=<seconds>: a request that keeps its worker draining.
+# Answers at once, or after ?sleep=<seconds> and once the file ?until=<path> exists: a
+# request that keeps its worker draining for as long as a test needs.
 SLEEPER = (
-    "import time\n"
+    "import os, time\n"
     "def handle(request):\n"
     "    time.sleep(float(request.query_params.get('sleep', '0')))\n"
+    "    gate, end = request.query_params.get('until'), time.monotonic() + 120\n"
+    "    while gate and not os.path.exists(gate) and time.monotonic() < end:\n"
+    "        time.sleep(0.01)\n"
     "    return 'done'\n"
 )
 
@@ -157,7 +161,7 @@ def test_late_counts_bill_each_residency_stretch_once():
     assert not base[:, Cell.LOADED_SINCE_US].any()
 
 
-SLOW_S = 4  # the old workers are still answering these when the restarted host is up
+SLOW_S = 4  # the least each old worker's request takes; each waits for its gate file too
 FAST, SLOW = "m/fast", "m/slow"
 
 
@@ -211,11 +215,13 @@ def test_what_old_workers_answer_after_the_restart_is_counted_on_the_new_host(ho
     for _ in range(fast):
         assert host.get(f"/s/{FAST}/").text == "done"
     old_workers = host.worker_pids()
+    gate = host.data_dir.parent / "answer-now"
     try:
-        calls = _kill_9_during(host, [f"/s/{SLOW}/?sleep={SLOW_S}"] * slow)
+        calls = _kill_9_during(host, [f"/s/{SLOW}/?sleep={SLOW_S}&until={gate}"] * slow)
         host.start()  # its when_ready has read the dead master's segment
         assert any(alive(p) for p in old_workers), "the old workers left before the restart"
         assert len(calls.answers) < slow, "all answered before the restart: nothing proven"
+        gate.touch()  # however long the restart took on a busy machine
         calls.join()
         assert calls.answers == [(200, "done")] * slow
         # Counted once every old worker is gone, at the new master's next checkpoint.
@@ -239,10 +245,12 @@ def test_a_stop_while_old_workers_drain_waits_for_them_and_keeps_their_counts(ho
     host = host_factory(workers=1, POLYSERVE_CHECKPOINT_INTERVAL="60")  # only on_exit folds
     assert host.deploy(SLOW, SLEEPER).status_code == 200
     old_workers = host.worker_pids()
+    gate = host.data_dir.parent / "answer-now"
     try:
-        calls = _kill_9_during(host, [f"/s/{SLOW}/?sleep={SLOW_S}"])
+        calls = _kill_9_during(host, [f"/s/{SLOW}/?sleep={SLOW_S}&until={gate}"])
         host.start()
         assert any(alive(p) for p in old_workers), "the old worker left before the stop"
+        gate.touch()
         host.stop()  # on_exit waits for it: well within gunicorn's graceful timeout
         assert not any(alive(p) for p in old_workers)
         assert not (SHM / segment_name(str(host.data_dir))).exists()

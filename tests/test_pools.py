@@ -234,6 +234,10 @@ def test_the_router_finds_a_live_host_and_reads_the_hosts_once_per_interval(rout
     pools, db, clock = router
     db.join("g1", "http://10.9.0.1:8441", "gpu", "boot-1")
     db.join("c1", "http://10.9.0.2:8441", "cpu", "boot-1")
+    assert anyio.run(pools.host_of, "gpu") is None  # joined, not caught up: not live yet
+    for host in ("g1", "c1"):  # what a follower does once it has caught up
+        db.heartbeat(host, "boot-1", 1, 0)
+    clock.now += HOSTS_TTL_S
     assert anyio.run(pools.host_of, "gpu") == "http://10.9.0.1:8441"
     assert anyio.run(pools.host_of, "tpu") is None
     db.leave("g1", "boot-1")

@@ -255,14 +255,16 @@ class FleetDB:
     # -- hosts -----------------------------------------------------------------------
 
     def join(self, host: str, url: str, pool: str, boot: str) -> int:
-        """Register this host's boot; returns the last change it had applied."""
+        """Register this host's boot; returns the last change it had applied. The boot is
+        not live until its first heartbeat, which follows its catch-up: a load balancer
+        (or a deploy) that reads the fleet never sends it a space it has not applied."""
         with self.session() as conn:
             row = conn.execute(
                 "INSERT INTO polyserve_hosts (id, url, pool, boot, started_at, last_seen)"
-                " VALUES (%s, %s, %s, %s, now(), now()) ON CONFLICT (id) DO UPDATE SET"
-                " url = excluded.url, pool = excluded.pool, boot = excluded.boot,"
-                " started_at = now(), last_seen = now(), left_at = NULL, draining_at = NULL"
-                " RETURNING applied",
+                " VALUES (%s, %s, %s, %s, now(), to_timestamp(0)) ON CONFLICT (id) DO UPDATE"
+                " SET url = excluded.url, pool = excluded.pool, boot = excluded.boot,"
+                " started_at = now(), last_seen = to_timestamp(0), left_at = NULL,"
+                " draining_at = NULL RETURNING applied",
                 (host, url, pool, boot),
             ).fetchone()
         return row[0] if row else 0
