@@ -152,15 +152,23 @@ class _Server:
 
     def run(self) -> None:
         while True:
-            for key, _ in self.selector.select():
-                if key.fileobj is self.listener:
-                    self._accept()
-                elif isinstance(key.data, int):
-                    self._reap(key.data)
-                elif key.data == "request":
-                    self._request(key.fileobj)  # type: ignore[arg-type]
-                else:  # a client whose child runs: it hung up, or sent out of turn
-                    self._hung_up(key.fileobj, key.data[1])  # type: ignore[arg-type]
+            self.step()
+
+    def step(self) -> None:
+        """One select and what it found."""
+        for key, _ in self.selector.select():
+            # An earlier event of the same select may have ended this one: a child's exit
+            # reaped and closed its client, whose hang-up is in the list too.
+            if self.selector.get_map().get(key.fd) is not key:
+                continue
+            if key.fileobj is self.listener:
+                self._accept()
+            elif isinstance(key.data, int):
+                self._reap(key.data)
+            elif key.data == "request":
+                self._request(key.fileobj)  # type: ignore[arg-type]
+            else:  # a client whose child runs: it hung up, or sent out of turn
+                self._hung_up(key.fileobj, key.data[1])  # type: ignore[arg-type]
 
     def _accept(self) -> None:
         try:
@@ -334,6 +342,8 @@ def main(argv: list[str]) -> None:
         server.run()
     except SystemExit:
         pass
+    except BaseException:  # a bug of ours: said in the master's log, then the master restarts it
+        log.exception("the validation fork server failed")
     finally:
         if server is not None:
             server.stop()

@@ -92,6 +92,32 @@ def test_the_server_serves_the_next_validation_after_a_failing_one(tmp_path, ser
     assert check(tmp_path, server.name, GOOD)["kind"] == "handle"
 
 
+def test_a_child_that_ends_as_its_client_hangs_up_leaves_the_loop_serving():
+    """A child's exit and its client's hang-up in one select: reaping the child closes
+    the client, and the hang-up, stale by then, is skipped (it ended the server once)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+        listener.bind(f"\0polyserve-test-{os.getpid()}")
+        listener.listen(1)
+        listener.setblocking(False)
+        server = forkserver._Server(listener)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        pidfd = os.pidfd_open(pid)
+        server.children[pid] = (theirs, pidfd)
+        server.selector.register(pidfd, forkserver.selectors.EVENT_READ, pid)
+        server.selector.register(theirs, forkserver.selectors.EVENT_READ, ("running", pid))
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # the exit is ready first
+        ours.close()  # then the hang-up
+        events = server.selector.select(timeout=5)
+        assert {key.data for key, _ in events} == {pid, ("running", pid)}
+        server.step()  # raised ValueError before: unregistering a closed socket
+        assert server.children == {} and theirs.fileno() == -1
+        assert list(server.selector.get_map()) == [listener.fileno()]
+        server.selector.close()
+
+
 def test_a_validation_runs_in_a_child_of_the_server_not_in_it(tmp_path, server):
     """The tenant module is imported by a forked child, never by the server itself."""
     marker = tmp_path / "imported"
