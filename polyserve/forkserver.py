@@ -50,6 +50,7 @@ _PR_SET_PDEATHSIG = 1
 _MAX_MESSAGE = 1 << 20  # a request carries the environment: a few KiB
 _HANDSHAKE_S = 5.0  # a live server forks at once; past this, spawn instead
 _STOP_S = 5.0
+_PARENT_CHECK_S = 1.0  # how long an orphaned server may outlive its master
 EXIT_CHILD_FAILED = 70  # EX_SOFTWARE: the child failed before validate.main took over
 # What a validation child uses on top of the preloaded modules: imported once here, so
 # the import time a validation reports is the tenant module's own, as in a worker.
@@ -143,20 +144,25 @@ class _Server:
     (a pidfd per child). It never blocks on a client, so a client that connects and says
     nothing delays no one."""
 
-    def __init__(self, listener: socket.socket) -> None:
+    def __init__(self, listener: socket.socket, master: int) -> None:
         self.listener = listener
+        self.master = master
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
         self.children: dict[int, tuple[socket.socket, int]] = {}  # pid -> (client, pidfd)
         self.waiting: set[socket.socket] = set()  # clients that have not asked yet
 
     def run(self) -> None:
-        while True:
-            self.step()
+        """Serve until the master is gone. PR_SET_PDEATHSIG's SIGTERM alone is not enough:
+        one that lands while the warm-up imports C extensions can be swallowed with the
+        import's error (an orphaned server then served forever), so the loop also looks
+        at its parent between selects."""
+        while os.getppid() == self.master:
+            self.step(_PARENT_CHECK_S)
 
-    def step(self) -> None:
+    def step(self, timeout: float | None = None) -> None:
         """One select and what it found."""
-        for key, _ in self.selector.select():
+        for key, _ in self.selector.select(timeout):
             # An earlier event of the same select may have ended this one: a child's exit
             # reaped and closed its client, whose hang-up is in the list too.
             if self.selector.get_map().get(key.fd) is not key:
@@ -338,7 +344,7 @@ def main(argv: list[str]) -> None:
         listener.bind(_address(name))
         listener.listen(64)
         listener.setblocking(False)
-        server = _Server(listener)
+        server = _Server(listener, master)
         server.run()
     except SystemExit:
         pass

@@ -10,6 +10,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,7 +101,7 @@ def test_a_child_that_ends_as_its_client_hangs_up_leaves_the_loop_serving():
         listener.bind(f"\0polyserve-test-{os.getpid()}")
         listener.listen(1)
         listener.setblocking(False)
-        server = forkserver._Server(listener)
+        server = forkserver._Server(listener, os.getppid())
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
@@ -116,6 +118,56 @@ def test_a_child_that_ends_as_its_client_hangs_up_leaves_the_loop_serving():
         assert server.children == {} and theirs.fileno() == -1
         assert list(server.selector.get_map()) == [listener.fileno()]
         server.selector.close()
+
+
+# A master that starts a fork server (as the real one does, in a session of its own) and
+# dies `delay` s later, while the server is still starting or warming up.
+DYING_MASTER = """
+import os, subprocess, sys, time
+argv = [sys.executable, "-m", "polyserve.forkserver", sys.argv[1], str(os.getpid())]
+server = subprocess.Popen(
+    [*argv, "numpy,onnxruntime"],
+    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+)
+print(server.pid, flush=True)
+time.sleep(float(sys.argv[2]))
+os._exit(0)
+"""
+
+
+def test_the_server_loop_ends_when_its_master_is_gone(monkeypatch):
+    """Between selects the loop looks at its parent: a lost SIGTERM cannot keep it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+        listener.bind(f"\0polyserve-test-loop-{os.getpid()}")
+        listener.listen(1)
+        server = forkserver._Server(listener, master=os.getppid())
+        parents = iter([os.getppid(), os.getppid(), 1])  # the master dies after two selects
+        monkeypatch.setattr(forkserver.os, "getppid", lambda: next(parents))
+        monkeypatch.setattr(forkserver, "_PARENT_CHECK_S", 0.01)
+        server.run()  # returns: before, it served on
+        server.selector.close()
+
+
+def test_fork_servers_whose_masters_die_while_they_start_all_exit():
+    """Masters that die 0.1 to 1.0 s after starting their fork servers, at once: each
+    server exits. A SIGTERM of PR_SET_PDEATHSIG that landed during the warm-up's imports
+    was swallowed with the import's error, and the server served on, an orphan."""
+    masters = [
+        subprocess.Popen(
+            [sys.executable, "-c", DYING_MASTER, f"polyserve-test-orphan-{os.getpid()}-{i}",
+             str(i / 10)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(1, 11)
+    ]  # fmt: skip
+    servers = [int(m.communicate(timeout=60)[0]) for m in masters]
+    try:
+        until(lambda: not any(alive(pid) for pid in servers), 60, "every fork server to exit")
+    finally:
+        for pid in servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_validation_runs_in_a_child_of_the_server_not_in_it(tmp_path, server):
