@@ -23,7 +23,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from polyserve import dashboard, hooks, meter, openapi, prometheus, spacelog
+from polyserve import dashboard, hooks, meter, openapi, prometheus, spacelog, warmup
 from polyserve import settings as settings_mod
 from polyserve.auth import Auth
 from polyserve.broadcast import SIGNAL, Broadcast
@@ -69,14 +69,22 @@ async def running_host(
     inherited = hooks.inherited()
     table, row = inherited or (Table.anonymous(1, s.max_spaces, CELLS), 0)
     logs = LogStore(store.logs_dir, s.log_kb << 10)
-    # What spaces print and log, from a worker only: the capture replaces this process's
-    # sys.stdout, sys.stderr and a root handler, which in-process tests' runners own.
-    capture = spacelog.install(logs, s.log_rate) if inherited is not None else None
-    broadcast, usage = Broadcast(table, row), Meter(table, row)
     # Host work (imports, staging, publishing) gets threads of its own, which no tenant
     # can exhaust: sync handle()s have per-space limiters, and tenants' ASGI apps share
     # anyio's default one.
     threads = anyio.CapacityLimiter(HOST_THREADS)
+    # anyio sets up its worker threads lazily: pay that at boot, not in the first cold
+    # start, whose time and memory are billed to a space (BENCHMARKS.md, cold start).
+    # A worker warms there what that load would pay for (warmup.in_worker), before the
+    # capture: the space it imports has no log.
+    if inherited is not None:
+        await anyio.to_thread.run_sync(warmup.in_worker, s.preload, limiter=threads)
+    else:
+        await anyio.to_thread.run_sync(lambda: None, limiter=threads)
+    # What spaces print and log, from a worker only: the capture replaces this process's
+    # sys.stdout, sys.stderr and a root handler, which in-process tests' runners own.
+    capture = spacelog.install(logs, s.log_rate) if inherited is not None else None
+    broadcast, usage = Broadcast(table, row), Meter(table, row)
     fleet = pools = None
     if s.database_url:  # imported here: psycopg takes ~0.2 s to import, a fleet host's alone
         from polyserve.fleet.client import FleetClient
@@ -113,9 +121,6 @@ async def running_host(
     # requests still read the generation word, which alone keeps the contract.
     with contextlib.suppress(RuntimeError, ValueError):
         asyncio.get_running_loop().add_signal_handler(SIGNAL, registry.refresh)
-    # anyio sets up its worker threads lazily: pay that at boot, not in the first cold
-    # start, whose time and memory are billed to a space (BENCHMARKS.md, cold start).
-    await anyio.to_thread.run_sync(lambda: None, limiter=threads)
     broadcast.publish_pid()
     background = [
         asyncio.create_task(registry.reaper()),
