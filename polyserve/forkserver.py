@@ -10,7 +10,11 @@ fork of workers), which imports POLYSERVE_PRELOAD's modules once and waits. A wo
 pipes with SCM_RIGHTS; the child takes the same limits a spawned validator does (new
 session, RLIMIT_AS, killed with its group at the timeout) and runs exactly that
 validator's code, `polyserve.validate.main`. The server itself never runs tenant code:
-it only forks, reaps and reports exit statuses.
+it only forks, reaps and reports exit statuses. It forks each child ahead of its request:
+a spare, forked at the start and half a second after the last validation ended, detaches,
+warms up as a worker does at boot (polyserve.warmup.in_worker), and waits on a socket of
+its own for the request the server passes on; a request that finds no spare (in use, or
+killed) gets a child forked for it.
 
 The socket is in Linux's abstract namespace, named at random per master: no path to
 clean up after a master killed with -9, none longer than sun_path's 108 bytes under a
@@ -40,6 +44,8 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,6 +57,10 @@ _MAX_MESSAGE = 1 << 20  # a request carries the environment: a few KiB
 _HANDSHAKE_S = 5.0  # a live server forks at once; past this, spawn instead
 _STOP_S = 5.0
 _PARENT_CHECK_S = 1.0  # how long an orphaned server may outlive its master
+# How long after the last validation ends the next spare is forked: a deploy's publish
+# and its first loads in the workers come right after, and the spare's fork and warm-up
+# beside them made those slower (two cores here).
+_SPARE_DELAY_S = 0.5
 EXIT_CHILD_FAILED = 70  # EX_SOFTWARE: the child failed before validate.main took over
 # What a validation child uses on top of the preloaded modules: imported once here, so
 # the import time a validation reports is the tenant module's own, as in a worker.
@@ -144,21 +154,40 @@ class _Server:
     (a pidfd per child). It never blocks on a client, so a client that connects and says
     nothing delays no one."""
 
-    def __init__(self, listener: socket.socket, master: int) -> None:
+    def __init__(
+        self,
+        listener: socket.socket,
+        master: int,
+        preload: tuple[str, ...] = (),
+        spares: bool = False,
+    ) -> None:
         self.listener = listener
         self.master = master
+        self.preload = preload
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
         self.children: dict[int, tuple[socket.socket, int]] = {}  # pid -> (client, pidfd)
         self.waiting: set[socket.socket] = set()  # clients that have not asked yet
+        self.spare: tuple[int, socket.socket, int] | None = None  # (pid, its socket, pidfd)
+        self.spares = spares  # fork each child ahead: the server's loop (main) does
+        self.spare_due: float | None = None  # when to fork the next spare (monotonic s)
 
     def run(self) -> None:
         """Serve until the master is gone. PR_SET_PDEATHSIG's SIGTERM alone is not enough:
         one that lands while the warm-up imports C extensions can be swallowed with the
         import's error (an orphaned server then served forever), so the loop also looks
         at its parent between selects."""
+        if self.spares:
+            self._fork_spare()
         while os.getppid() == self.master:
-            self.step(_PARENT_CHECK_S)
+            timeout = _PARENT_CHECK_S
+            if self.spare_due is not None:
+                timeout = min(timeout, max(self.spare_due - time.monotonic(), 0))
+            self.step(timeout)
+            if self.spare_due is not None and time.monotonic() >= self.spare_due:
+                self.spare_due = None
+                if self.spares and not self.children and self.spare is None:
+                    self._fork_spare()
 
     def step(self, timeout: float | None = None) -> None:
         """One select and what it found."""
@@ -204,28 +233,98 @@ class _Server:
                 os.close(fd)
             client.close()
             return
-        for stream in (sys.stdout, sys.stderr):  # nothing buffered here may reach the child
-            with contextlib.suppress(Exception):
-                stream.flush()
-        server = os.getpid()  # read before the fork: the child's getppid() may already
-        # name the reaper if this process dies in between
-        try:
-            pid = os.fork()
-        except OSError as exc:  # no memory or process left: this worker spawns instead
-            log.warning("fork server: cannot fork a validation: %s", exc)
-            for fd in fds:
-                os.close(fd)
-            client.close()
-            return
-        if pid == 0:
-            self._child(server, client, argv, env, fds)  # never returns
+        handed = self._hand_to_spare(argv, env, fds)
+        if handed is not None:
+            pid, pidfd = handed
+        else:
+            _flush()  # nothing buffered here may reach the child
+            server = os.getpid()  # read before the fork: the child's getppid() may
+            # already name the reaper if this process dies in between
+            try:
+                pid = os.fork()
+            except OSError as exc:  # no memory or process left: this worker spawns instead
+                log.warning("fork server: cannot fork a validation: %s", exc)
+                for fd in fds:
+                    os.close(fd)
+                client.close()
+                return
+            if pid == 0:
+                self._child(server, client, argv, env, fds)  # never returns
+            pidfd = os.pidfd_open(pid)
+            self.selector.register(pidfd, selectors.EVENT_READ, pid)
         for fd in fds:
             os.close(fd)  # the child's pipes must end when the child's copies do
-        pidfd = os.pidfd_open(pid)
         self.children[pid] = (client, pidfd)
-        self.selector.register(pidfd, selectors.EVENT_READ, pid)
         self.selector.register(client, selectors.EVENT_READ, ("running", pid))
         _send(client, {"pid": pid})
+
+    # -- the spare: the next child, forked and set up ahead of its request ------------
+
+    def _fork_spare(self) -> None:
+        """Fork the next validation child now: at the start, and a little after the last
+        validation has ended. It detaches and warms what a validation would pay for
+        first (warmup.in_worker: a fork's first writes to the server's pages copy them),
+        then waits for its request: a deploy waits neither for the fork (page tables for
+        ~200 MiB, ~6 ms here) nor for that. Without a spare (in use, or killed), a
+        request forks its child as before."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        _flush()
+        server = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            log.warning("fork server: cannot fork a spare validation child: %s", exc)
+            ours.close()
+            theirs.close()
+            return
+        if pid == 0:
+            ours.close()
+            self._spare_child(server, theirs)  # never returns
+        theirs.close()
+        pidfd = os.pidfd_open(pid)
+        self.selector.register(pidfd, selectors.EVENT_READ, pid)
+        self.spare = (pid, ours, pidfd)
+
+    def _hand_to_spare(
+        self, argv: list[str], env: dict[str, str] | None, fds: list[int]
+    ) -> tuple[int, int] | None:
+        """Pass a request on to the spare: its (pid, pidfd), or None if there is none."""
+        if self.spare is None:
+            return None
+        pid, ours, pidfd = self.spare
+        try:
+            socket.send_fds(ours, [json.dumps({"argv": argv, "env": env}).encode()], fds)
+        except OSError:  # it died since: reaped when its pidfd's event comes
+            return None
+        self.spare = None
+        ours.close()
+        return pid, pidfd
+
+    def _warm_spare(self) -> None:
+        # Niceness is per thread on Linux: the warm-up yields to whatever serves, and
+        # the request still runs at the server's priority (on threads the main one starts).
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        warmup.in_worker(self.preload)
+
+    def _spare_child(self, server: int, theirs: socket.socket) -> None:
+        """In the spare: detach and warm up, then become the child of the request the
+        server passes on (the request and its fds, as the worker sent them)."""
+        try:
+            self._detach(server)
+            warm = threading.Thread(target=self._warm_spare)
+            warm.start()  # on a thread, as a validation imports: its paths are warm too
+            warm.join()
+            message, fds, _, _ = socket.recv_fds(theirs, _MAX_MESSAGE, 2)
+            if not message:  # the server closed it: stopping
+                os._exit(0)
+            theirs.close()
+            request = json.loads(message)
+            self._become(request["argv"], request.get("env"), fds)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                traceback.print_exc()
+                sys.stderr.flush()
+        os._exit(EXIT_CHILD_FAILED)
 
     def _hung_up(self, client: socket.socket, pid: int) -> None:
         with contextlib.suppress(OSError):
@@ -238,6 +337,13 @@ class _Server:
     def _reap(self, pid: int) -> None:
         _, status = os.waitpid(pid, 0)
         _kill_group(pid)  # what the import left behind, as a spawned validator's parent does
+        if self.spare is not None and self.spare[0] == pid:  # died waiting: killed
+            _, ours, pidfd = self.spare
+            self.spare = None
+            self.selector.unregister(pidfd)
+            os.close(pidfd)
+            ours.close()
+            return  # the next request forks its own child, and then a spare
         client, pidfd = self.children.pop(pid)
         self.selector.unregister(pidfd)
         os.close(pidfd)
@@ -245,6 +351,11 @@ class _Server:
             self.selector.unregister(client)
         _send(client, {"returncode": os.waitstatus_to_exitcode(status)})
         client.close()
+        if self.spares and not self.children and self.spare is None:
+            # Only once no validation runs, and a little later (_SPARE_DELAY_S): a
+            # spare's fork and warm-up beside a validation took it longer than the
+            # spare saved.
+            self.spare_due = time.monotonic() + _SPARE_DELAY_S
 
     def _child(
         self,
@@ -254,36 +365,11 @@ class _Server:
         env: dict[str, str] | None,
         fds: list[int],
     ) -> None:
-        """In the forked child: become what a spawned validator is, then run it."""
+        """In a child forked for a request: become what a spawned validator is, and run."""
         try:
-            os.setsid()  # its own group: the timeout kills whatever the import spawned
-            # Nothing outlives the server (the master stops it, or it dies with it).
-            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != server:
-                os._exit(EXIT_CHILD_FAILED)
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, signal.SIG_DFL)
-            # None of the server's sockets may reach tenant code.
-            for client, pidfd in self.children.values():
-                client.close()
-                os.close(pidfd)
-            for client in (asked, *self.waiting):
-                client.close()
-            self.selector.close()
-            self.listener.close()
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.dup2(fds[0], 1)
-            os.dup2(fds[1], 2)
-            for fd in (null, *fds):
-                os.close(fd)
-            if env is not None:
-                os.environ.clear()
-                os.environ.update(env)
-            from polyserve import validate
-
-            sys.argv = [validate.__file__, *argv]  # as the spawned validator's
-            validate.main(argv)  # ends with os._exit
+            self._detach(server)
+            asked.close()
+            self._become(argv, env, fds)
         except BaseException:
             with contextlib.suppress(Exception):
                 traceback.print_exc()
@@ -292,9 +378,52 @@ class _Server:
         # the server loaded: onnxruntime's hang in a forked child (see hooks.worker_exit).
         os._exit(EXIT_CHILD_FAILED)
 
+    def _detach(self, server: int) -> None:
+        """In a child: its own session and death signal, none of the server's sockets."""
+        os.setsid()  # its own group: the timeout kills whatever the import spawned
+        # Nothing outlives the server (the master stops it, or it dies with it).
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != server:
+            os._exit(EXIT_CHILD_FAILED)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        # None of the server's sockets may reach tenant code.
+        for client, pidfd in self.children.values():
+            client.close()
+            os.close(pidfd)
+        for client in self.waiting:
+            client.close()
+        if self.spare is not None:
+            self.spare[1].close()
+            os.close(self.spare[2])
+        self.selector.close()
+        self.listener.close()
+
+    def _become(self, argv: list[str], env: dict[str, str] | None, fds: list[int]) -> None:
+        """Take the request's pipes and environment, then run the validator."""
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in (null, *fds):
+            os.close(fd)
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        from polyserve import validate
+
+        sys.argv = [validate.__file__, *argv]  # as the spawned validator's
+        validate.main(argv)  # ends with os._exit
+
     def stop(self) -> None:
-        for pid in self.children:
+        for pid in [*self.children, *([self.spare[0]] if self.spare else [])]:
             _kill_group(pid)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered may reach a child
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def _send(client: socket.socket, message: dict[str, object]) -> None:
@@ -344,7 +473,7 @@ def main(argv: list[str]) -> None:
         listener.bind(_address(name))
         listener.listen(64)
         listener.setblocking(False)
-        server = _Server(listener, master)
+        server = _Server(listener, master, tuple(preload), spares=True)
         server.run()
     except SystemExit:
         pass

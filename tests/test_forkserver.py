@@ -178,6 +178,59 @@ def test_a_validation_runs_in_a_child_of_the_server_not_in_it(tmp_path, server):
     assert parent == server.proc.pid and pid != server.proc.pid
 
 
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(line) for line in out.stdout.split()]
+
+
+def the_spare(server: forkserver.ForkServer, other_than: int = 0) -> int:
+    """The server's one child while no validation runs: the spare it forked ahead."""
+
+    def one() -> int | None:
+        found = children_of(server.proc.pid)
+        return found[0] if len(found) == 1 and found[0] != other_than else None
+
+    return until(one, what="the fork server's spare child")
+
+
+def test_a_validation_runs_in_the_spare_forked_ahead_and_another_follows(tmp_path):
+    """The server forks its next child before it is asked; the request runs there, and
+    once no validation runs the server forks the next spare. Stopping the server stops
+    the spare too."""
+    marker = tmp_path / "imported"
+    with running_forkserver() as server:
+        spare = the_spare(server)
+        check(tmp_path, server.name, recorder(marker))
+        ((pid, parent),) = [
+            tuple(map(int, line.split())) for line in marker.read_text().split("\n") if line
+        ]
+        assert (pid, parent) == (spare, server.proc.pid)
+        following = the_spare(server, other_than=spare)
+    until(lambda: not alive(following), what="the spare to go with its server")
+
+
+def test_a_killed_spare_leaves_the_server_forking_on_demand(tmp_path):
+    marker = tmp_path / "imported"
+    with running_forkserver() as server:
+        spare = the_spare(server)
+        os.kill(spare, signal.SIGKILL)
+        until(lambda: spare not in children_of(server.proc.pid), what="the spare reaped")
+        check(tmp_path, server.name, recorder(marker))
+        ((pid, parent),) = [
+            tuple(map(int, line.split())) for line in marker.read_text().split("\n") if line
+        ]
+        assert parent == server.proc.pid and pid != spare
+        the_spare(server, other_than=pid)  # and after it, a spare again
+
+
+def test_the_spare_holds_none_of_the_servers_sockets(server):
+    """Its only socket is the one its request comes on (the listener and the clients'
+    sockets stay the server's), so tenant code reaches none of them."""
+    spare = the_spare(server)
+    links = [os.readlink(f"/proc/{spare}/fd/{fd}") for fd in os.listdir(f"/proc/{spare}/fd")]
+    assert sum(link.startswith("socket:") for link in links) == 1, links
+
+
 def test_a_client_that_never_asks_delays_no_validation(tmp_path, server):
     """A connection that sends nothing leaves the server forking for everyone else."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as idle:
