@@ -12,9 +12,10 @@ session, RLIMIT_AS, killed with its group at the timeout) and runs exactly that
 validator's code, `polyserve.validate.main`. The server itself never runs tenant code:
 it only forks, reaps and reports exit statuses. It forks each child ahead of its request:
 a spare, forked at the start and half a second after the last validation ended, detaches,
-warms up as a worker does at boot (polyserve.warmup.in_worker), and waits on a socket of
-its own for the request the server passes on; a request that finds no spare (in use, or
-killed) gets a child forked for it.
+warms up as a worker does at boot (polyserve.warmup.in_worker), says "ready" on a socket
+of its own, and waits there for the request the server passes on, which it acknowledges
+("took"); a request that finds no ready spare (warming, in use, or killed) gets a child
+forked for it.
 
 The socket is in Linux's abstract namespace, named at random per master: no path to
 clean up after a master killed with -9, none longer than sun_path's 108 bytes under a
@@ -169,6 +170,8 @@ class _Server:
         self.children: dict[int, tuple[socket.socket, int]] = {}  # pid -> (client, pidfd)
         self.waiting: set[socket.socket] = set()  # clients that have not asked yet
         self.spare: tuple[int, socket.socket, int] | None = None  # (pid, its socket, pidfd)
+        self.ready = False  # the spare has said it is warm: only then is it handed requests
+        self.untaken: dict[int, socket.socket] = {}  # former spares yet to say they took it
         self.spares = spares  # fork each child ahead: the server's loop (main) does
         self.spare_due: float | None = None  # when to fork the next spare (monotonic s)
 
@@ -202,6 +205,8 @@ class _Server:
                 self._reap(key.data)
             elif key.data == "request":
                 self._request(key.fileobj)  # type: ignore[arg-type]
+            elif key.data[0] == "spare":
+                self._spare_says(key.fileobj, key.data[1])  # type: ignore[arg-type]
             else:  # a client whose child runs: it hung up, or sent out of turn
                 self._hung_up(key.fileobj, key.data[1])  # type: ignore[arg-type]
 
@@ -283,40 +288,54 @@ class _Server:
         theirs.close()
         pidfd = os.pidfd_open(pid)
         self.selector.register(pidfd, selectors.EVENT_READ, pid)
-        self.spare = (pid, ours, pidfd)
+        ours.setblocking(False)
+        self.selector.register(ours, selectors.EVENT_READ, ("spare", pid))
+        self.spare, self.ready = (pid, ours, pidfd), False
+
+    def _spare_says(self, ours: socket.socket, pid: int) -> None:
+        """ "ready" once warm; "took" once it has read its request; nothing once dead."""
+        try:
+            said = ours.recv(16)
+        except BlockingIOError:
+            return
+        except OSError:
+            said = b""
+        if said == b"ready" and self.spare is not None and self.spare[0] == pid:
+            self.ready = True
+        elif said == b"took" and pid in self.untaken:
+            self.selector.unregister(ours)
+            self.untaken.pop(pid).close()
+        elif not said:  # it died: its pidfd's event reaps it (and closes this)
+            self.selector.unregister(ours)
 
     def _hand_to_spare(
         self, argv: list[str], env: dict[str, str] | None, fds: list[int]
     ) -> tuple[int, int] | None:
-        """Pass a request on to the spare: its (pid, pidfd), or None if there is none."""
-        if self.spare is None:
-            return None
+        """Pass a request on to the spare, if it is warm: its (pid, pidfd), or None. Until
+        it says it took the request, it is watched: dying before that is the server's
+        failure, not the tenant's (see _reap)."""
+        if self.spare is None or not self.ready:
+            return None  # a request handed to a warming spare would wait for its warm-up
         pid, ours, pidfd = self.spare
         try:
             socket.send_fds(ours, [json.dumps({"argv": argv, "env": env}).encode()], fds)
         except OSError:  # it died since: reaped when its pidfd's event comes
             return None
         self.spare = None
-        ours.close()
+        self.untaken[pid] = ours
         return pid, pidfd
-
-    def _warm_spare(self) -> None:
-        # Niceness is per thread on Linux: the warm-up yields to whatever serves, and
-        # the request still runs at the server's priority (on threads the main one starts).
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        warmup.in_worker(self.preload)
 
     def _spare_child(self, server: int, theirs: socket.socket) -> None:
         """In the spare: detach and warm up, then become the child of the request the
         server passes on (the request and its fds, as the worker sent them)."""
         try:
             self._detach(server)
-            warm = threading.Thread(target=self._warm_spare)
+            warm = threading.Thread(target=warmup.in_worker, args=(self.preload,))
             warm.start()  # on a thread, as a validation imports: its paths are warm too
             warm.join()
+            theirs.send(b"ready")
             message, fds, _, _ = socket.recv_fds(theirs, _MAX_MESSAGE, 2)
-            if not message:  # the server closed it: stopping
-                os._exit(0)
+            theirs.send(b"took")
             theirs.close()
             request = json.loads(message)
             self._become(request["argv"], request.get("env"), fds)
@@ -340,22 +359,36 @@ class _Server:
         if self.spare is not None and self.spare[0] == pid:  # died waiting: killed
             _, ours, pidfd = self.spare
             self.spare = None
+            self._drop(ours)
             self.selector.unregister(pidfd)
             os.close(pidfd)
-            ours.close()
             return  # the next request forks its own child, and then a spare
+        untaken, took = self.untaken.pop(pid, None), False
+        if untaken is not None:  # its "took" may be in this same select, after the exit
+            with contextlib.suppress(OSError):
+                took = untaken.recv(16) == b"took"
+            self._drop(untaken)
         client, pidfd = self.children.pop(pid)
         self.selector.unregister(pidfd)
         os.close(pidfd)
         with contextlib.suppress(KeyError):
             self.selector.unregister(client)
-        _send(client, {"returncode": os.waitstatus_to_exitcode(status)})
+        if untaken is None or took:
+            _send(client, {"returncode": os.waitstatus_to_exitcode(status)})
+        # Else a former spare died before it read its request: no exit status, as when the
+        # server dies, so the worker validates in a new interpreter instead of blaming the
+        # tenant's code.
         client.close()
         if self.spares and not self.children and self.spare is None:
             # Only once no validation runs, and a little later (_SPARE_DELAY_S): a
             # spare's fork and warm-up beside a validation took it longer than the
             # spare saved.
             self.spare_due = time.monotonic() + _SPARE_DELAY_S
+
+    def _drop(self, ours: socket.socket) -> None:
+        with contextlib.suppress(KeyError):  # unregistered already if it said nothing
+            self.selector.unregister(ours)
+        ours.close()
 
     def _child(
         self,
@@ -396,6 +429,8 @@ class _Server:
         if self.spare is not None:
             self.spare[1].close()
             os.close(self.spare[2])
+        for ours in self.untaken.values():
+            ours.close()
         self.selector.close()
         self.listener.close()
 

@@ -193,6 +193,12 @@ def the_spare(server: forkserver.ForkServer, other_than: int = 0) -> int:
     return until(one, what="the fork server's spare child")
 
 
+def waiting_for_its_request(pid: int) -> bool:
+    """Warm (its warm-up thread is gone) and asleep: in the read of its request."""
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return len(os.listdir(f"/proc/{pid}/task")) == 1 and state == "S"
+
+
 def test_a_validation_runs_in_the_spare_forked_ahead_and_another_follows(tmp_path):
     """The server forks its next child before it is asked; the request runs there, and
     once no validation runs the server forks the next spare. Stopping the server stops
@@ -200,6 +206,7 @@ def test_a_validation_runs_in_the_spare_forked_ahead_and_another_follows(tmp_pat
     marker = tmp_path / "imported"
     with running_forkserver() as server:
         spare = the_spare(server)
+        until(lambda: waiting_for_its_request(spare), what="the spare to be warm")
         check(tmp_path, server.name, recorder(marker))
         ((pid, parent),) = [
             tuple(map(int, line.split())) for line in marker.read_text().split("\n") if line
@@ -221,6 +228,30 @@ def test_a_killed_spare_leaves_the_server_forking_on_demand(tmp_path):
         ]
         assert parent == server.proc.pid and pid != spare
         the_spare(server, other_than=pid)  # and after it, a spare again
+
+
+def test_a_spare_that_dies_before_it_reads_its_request_reports_no_exit_status(tmp_path):
+    """As when the server dies: the worker then validates in a new interpreter rather
+    than answer 422 for the tenant's code, which never ran."""
+    (tmp_path / "main.py").write_text(GOOD)
+    argv = [str(tmp_path), "main.py", "4096", "20"]
+    with running_forkserver() as server:
+        spare = the_spare(server)
+        until(lambda: waiting_for_its_request(spare), what="the spare to be warm")
+        os.kill(spare, signal.SIGSTOP)  # it cannot read what the server passes on
+
+        async def handed_then_killed() -> tuple[int | None, bool]:
+            forked = await forkserver.fork(server.name, argv, None)
+            assert forked is not None and forked.pid == spare
+            os.kill(spare, signal.SIGKILL)
+            try:
+                return await forked.wait(), forked.server_gone
+            finally:
+                forked.close()
+
+        assert asyncio.run(handed_then_killed()) == (None, True)
+        assert server.proc.poll() is None
+        assert check(tmp_path, server.name, GOOD)["kind"] == "handle"
 
 
 def test_the_spare_holds_none_of_the_servers_sockets(server):
