@@ -270,8 +270,8 @@ class _Server:
         validation has ended. It detaches and warms what a validation would pay for
         first (warmup.in_worker: a fork's first writes to the server's pages copy them),
         then waits for its request: a deploy waits neither for the fork (page tables for
-        ~200 MiB, ~6 ms here) nor for that. Without a spare (in use, or killed), a
-        request forks its child as before."""
+        ~200 MiB, ~6 ms here) nor for that. Without a ready spare (warming, in use, or
+        killed), a request forks its child as before."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         _flush()
         server = os.getpid()
@@ -293,7 +293,8 @@ class _Server:
         self.spare, self.ready = (pid, ours, pidfd), False
 
     def _spare_says(self, ours: socket.socket, pid: int) -> None:
-        """ "ready" once warm; "took" once it has read its request; nothing once dead."""
+        """What the spare says: "ready" once warm, "took" once it has read its request,
+        and nothing (the end of its socket) once dead."""
         try:
             said = ours.recv(16)
         except BlockingIOError:
