@@ -48,8 +48,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any, NoReturn
 
 from polyserve import warmup
 
@@ -254,7 +255,7 @@ class _Server:
                 client.close()
                 return
             if pid == 0:
-                self._child(server, client, argv, env, fds)  # never returns
+                _in_child(self._child, server, client, argv, env, fds)
             pidfd = os.pidfd_open(pid)
             self.selector.register(pidfd, selectors.EVENT_READ, pid)
         for fd in fds:
@@ -284,7 +285,7 @@ class _Server:
             return
         if pid == 0:
             ours.close()
-            self._spare_child(server, theirs)  # never returns
+            _in_child(self._spare_child, server, theirs)
         theirs.close()
         pidfd = os.pidfd_open(pid)
         self.selector.register(pidfd, selectors.EVENT_READ, pid)
@@ -329,22 +330,16 @@ class _Server:
     def _spare_child(self, server: int, theirs: socket.socket) -> None:
         """In the spare: detach and warm up, then become the child of the request the
         server passes on (the request and its fds, as the worker sent them)."""
-        try:
-            self._detach(server)
-            warm = threading.Thread(target=warmup.in_worker, args=(self.preload,))
-            warm.start()  # on a thread, as a validation imports: its paths are warm too
-            warm.join()
-            theirs.send(b"ready")
-            message, fds, _, _ = socket.recv_fds(theirs, _MAX_MESSAGE, 2)
-            theirs.send(b"took")
-            theirs.close()
-            request = json.loads(message)
-            self._become(request["argv"], request.get("env"), fds)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                traceback.print_exc()
-                sys.stderr.flush()
-        os._exit(EXIT_CHILD_FAILED)
+        self._detach(server)
+        warm = threading.Thread(target=warmup.in_worker, args=(self.preload,))
+        warm.start()  # on a thread, as a validation imports: its paths are warm too
+        warm.join()
+        theirs.send(b"ready")
+        message, fds, _, _ = socket.recv_fds(theirs, _MAX_MESSAGE, 2)
+        theirs.send(b"took")
+        theirs.close()
+        request = json.loads(message)
+        self._become(request["argv"], request.get("env"), fds)
 
     def _hung_up(self, client: socket.socket, pid: int) -> None:
         with contextlib.suppress(OSError):
@@ -400,17 +395,9 @@ class _Server:
         fds: list[int],
     ) -> None:
         """In a child forked for a request: become what a spawned validator is, and run."""
-        try:
-            self._detach(server)
-            asked.close()
-            self._become(argv, env, fds)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                traceback.print_exc()
-                sys.stderr.flush()
-        # Never return into the server's loop, and never run the exit handlers of what
-        # the server loaded: onnxruntime's hang in a forked child (see hooks.worker_exit).
-        os._exit(EXIT_CHILD_FAILED)
+        self._detach(server)
+        asked.close()
+        self._become(argv, env, fds)
 
     def _detach(self, server: int) -> None:
         """In a child: its own session and death signal, none of the server's sockets."""
@@ -454,6 +441,19 @@ class _Server:
     def stop(self) -> None:
         for pid in [*self.children, *([self.spare[0]] if self.spare else [])]:
             _kill_group(pid)
+
+
+def _in_child(run: Callable[..., None], *args: Any) -> NoReturn:
+    """Run a forked child's code. Whatever happens, never return into the server's loop,
+    and never run the exit handlers of what the server loaded: onnxruntime's hang in a
+    forked child (see hooks.worker_exit)."""
+    try:
+        run(*args)  # a validation ends with os._exit
+    except BaseException:
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+            sys.stderr.flush()
+    os._exit(EXIT_CHILD_FAILED)
 
 
 def _flush() -> None:

@@ -75,6 +75,14 @@ def until(predicate: Callable[[], T], timeout: float = 30.0, what: str = "condit
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def children(pid: int) -> dict[int, str]:
+    """Process `pid`'s children: pid -> its ps line (pid and command line)."""
+    out = subprocess.run(
+        ["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True
+    ).stdout
+    return {int(line.split()[0]): line for line in out.splitlines() if line.strip()}
+
+
 def alive(pid: int) -> bool:
     """Whether process `pid` is running (a zombie is not)."""
     try:
@@ -188,12 +196,7 @@ class HostProcess:
         )
 
     def _children(self) -> dict[int, str]:
-        out = subprocess.run(
-            ["ps", "-o", "pid=,args=", "--ppid", str(self.proc.pid)],
-            capture_output=True,
-            text=True,
-        ).stdout
-        return {int(line.split()[0]): line for line in out.splitlines() if line.strip()}
+        return children(self.proc.pid)
 
     def worker_pids(self) -> set[int]:
         """The master's children but its fleet follower and its validation fork server

@@ -21,7 +21,15 @@ import pytest
 from polyserve import forkserver
 from polyserve.errors import ClientError
 from polyserve.validate import validate
-from tests.helpers import FORKSERVER, HostProcess, alive, module_host, running_forkserver, until
+from tests.helpers import (
+    FORKSERVER,
+    HostProcess,
+    alive,
+    children,
+    module_host,
+    running_forkserver,
+    until,
+)
 
 ADMIN = "forkserver-admin-token"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -178,16 +186,11 @@ def test_a_validation_runs_in_a_child_of_the_server_not_in_it(tmp_path, server):
     assert parent == server.proc.pid and pid != server.proc.pid
 
 
-def children_of(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [int(line) for line in out.stdout.split()]
-
-
 def the_spare(server: forkserver.ForkServer, other_than: int = 0) -> int:
     """The server's one child while no validation runs: the spare it forked ahead."""
 
     def one() -> int | None:
-        found = children_of(server.proc.pid)
+        found = list(children(server.proc.pid))
         return found[0] if len(found) == 1 and found[0] != other_than else None
 
     return until(one, what="the fork server's spare child")
@@ -221,7 +224,7 @@ def test_a_killed_spare_leaves_the_server_forking_on_demand(tmp_path):
     with running_forkserver() as server:
         spare = the_spare(server)
         os.kill(spare, signal.SIGKILL)
-        until(lambda: spare not in children_of(server.proc.pid), what="the spare reaped")
+        until(lambda: spare not in list(children(server.proc.pid)), what="the spare reaped")
         check(tmp_path, server.name, recorder(marker))
         ((pid, parent),) = [
             tuple(map(int, line.split())) for line in marker.read_text().split("\n") if line
