@@ -10,12 +10,12 @@ fork of workers), which imports POLYSERVE_PRELOAD's modules once and waits. A wo
 pipes with SCM_RIGHTS; the child takes the same limits a spawned validator does (new
 session, RLIMIT_AS, killed with its group at the timeout) and runs exactly that
 validator's code, `polyserve.validate.main`. The server itself never runs tenant code:
-it only forks, reaps and reports exit statuses. It forks each child ahead of its request:
-a spare, forked at the start and half a second after the last validation ended, detaches,
-warms up as a worker does at boot (polyserve.warmup.in_worker), says "ready" on a socket
-of its own, and waits there for the request the server passes on, which it acknowledges
-("took"); a request that finds no ready spare (warming, in use, or killed) gets a child
-forked for it.
+it only forks, reaps and reports exit statuses. It forks children ahead of their requests:
+two spares, forked at the start and half a second after the last validation ended. Each
+detaches, warms up as a worker does at boot (polyserve.warmup.in_worker) on the event
+loop and worker thread a validation uses, says "ready" on a socket of its own, and waits
+there for the request the server passes on, which it acknowledges ("took"); a request
+that finds no ready spare (warming, in use, or killed) gets a child forked for it.
 
 The socket is in Linux's abstract namespace, named at random per master: no path to
 clean up after a master killed with -9, none longer than sun_path's 108 bytes under a
@@ -45,7 +45,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -63,6 +62,7 @@ _PARENT_CHECK_S = 1.0  # how long an orphaned server may outlive its master
 # and its first loads in the workers come right after, and the spare's fork and warm-up
 # beside them made those slower (two cores here).
 _SPARE_DELAY_S = 0.5
+SPARES = 2  # children kept forked ahead of their requests, ~4 MiB of its own each
 EXIT_CHILD_FAILED = 70  # EX_SOFTWARE: the child failed before validate.main took over
 # What a validation child uses on top of the preloaded modules: imported once here, so
 # the import time a validation reports is the tenant module's own, as in a worker.
@@ -161,7 +161,7 @@ class _Server:
         listener: socket.socket,
         master: int,
         preload: tuple[str, ...] = (),
-        spares: bool = False,
+        spares: int = 0,
     ) -> None:
         self.listener = listener
         self.master = master
@@ -170,19 +170,19 @@ class _Server:
         self.selector.register(listener, selectors.EVENT_READ, None)
         self.children: dict[int, tuple[socket.socket, int]] = {}  # pid -> (client, pidfd)
         self.waiting: set[socket.socket] = set()  # clients that have not asked yet
-        self.spare: tuple[int, socket.socket, int] | None = None  # (pid, its socket, pidfd)
-        self.ready = False  # the spare has said it is warm: only then is it handed requests
+        # Children forked ahead of their request: pid -> [its socket, its pidfd, warm].
+        # Only a warm one (it said "ready") is handed a request.
+        self.ahead: dict[int, list[Any]] = {}
         self.untaken: dict[int, socket.socket] = {}  # former spares yet to say they took it
-        self.spares = spares  # fork each child ahead: the server's loop (main) does
-        self.spare_due: float | None = None  # when to fork the next spare (monotonic s)
+        self.spares = spares  # how many to keep forked ahead: the server's loop (main) does
+        self.spare_due: float | None = None  # when to fork the next spares (monotonic s)
 
     def run(self) -> None:
         """Serve until the master is gone. PR_SET_PDEATHSIG's SIGTERM alone is not enough:
         one that lands while the warm-up imports C extensions can be swallowed with the
         import's error (an orphaned server then served forever), so the loop also looks
         at its parent between selects."""
-        if self.spares:
-            self._fork_spare()
+        self._fork_spares()
         while os.getppid() == self.master:
             timeout = _PARENT_CHECK_S
             if self.spare_due is not None:
@@ -190,8 +190,8 @@ class _Server:
             self.step(timeout)
             if self.spare_due is not None and time.monotonic() >= self.spare_due:
                 self.spare_due = None
-                if self.spares and not self.children and self.spare is None:
-                    self._fork_spare()
+                if not self.children:
+                    self._fork_spares()
 
     def step(self, timeout: float | None = None) -> None:
         """One select and what it found."""
@@ -266,13 +266,18 @@ class _Server:
 
     # -- the spare: the next child, forked and set up ahead of its request ------------
 
-    def _fork_spare(self) -> None:
-        """Fork the next validation child now: at the start, and a little after the last
-        validation has ended. It detaches and warms what a validation would pay for
-        first (warmup.in_worker: a fork's first writes to the server's pages copy them),
-        then waits for its request: a deploy waits neither for the fork (page tables for
-        ~200 MiB, ~6 ms here) nor for that. Without a ready spare (warming, in use, or
-        killed), a request forks its child as before."""
+    def _fork_spares(self) -> None:
+        """Fork validation children ahead of their requests, up to `spares`: at the start,
+        and a little after the last validation has ended. Each detaches and warms what a
+        validation would pay for first (warmup.in_worker: a fork's first writes to the
+        server's pages copy them), then waits for its request: a deploy waits neither for
+        the fork (page tables for ~200 MiB, ~6 ms here) nor for that. Two, so that a
+        deploy right after another (a script deploying a few spaces) finds one too.
+        Without a warm spare (warming, in use, or killed), a request forks its own child."""
+        while len(self.ahead) < self.spares and self._fork_spare():
+            pass
+
+    def _fork_spare(self) -> bool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         _flush()
         server = os.getpid()
@@ -282,7 +287,7 @@ class _Server:
             log.warning("fork server: cannot fork a spare validation child: %s", exc)
             ours.close()
             theirs.close()
-            return
+            return False
         if pid == 0:
             ours.close()
             _in_child(self._spare_child, server, theirs)
@@ -291,7 +296,8 @@ class _Server:
         self.selector.register(pidfd, selectors.EVENT_READ, pid)
         ours.setblocking(False)
         self.selector.register(ours, selectors.EVENT_READ, ("spare", pid))
-        self.spare, self.ready = (pid, ours, pidfd), False
+        self.ahead[pid] = [ours, pidfd, False]
+        return True
 
     def _spare_says(self, ours: socket.socket, pid: int) -> None:
         """What the spare says: "ready" once warm, "took" once it has read its request,
@@ -302,8 +308,8 @@ class _Server:
             return
         except OSError:
             said = b""
-        if said == b"ready" and self.spare is not None and self.spare[0] == pid:
-            self.ready = True
+        if said == b"ready" and pid in self.ahead:
+            self.ahead[pid][2] = True
         elif said == b"took" and pid in self.untaken:
             self.selector.unregister(ours)
             self.untaken.pop(pid).close()
@@ -313,33 +319,46 @@ class _Server:
     def _hand_to_spare(
         self, argv: list[str], env: dict[str, str] | None, fds: list[int]
     ) -> tuple[int, int] | None:
-        """Pass a request on to the spare, if it is warm: its (pid, pidfd), or None. Until
-        it says it took the request, it is watched: dying before that is the server's
-        failure, not the tenant's (see _reap)."""
-        if self.spare is None or not self.ready:
-            return None  # a request handed to a warming spare would wait for its warm-up
-        pid, ours, pidfd = self.spare
+        """Pass a request on to a warm spare, if there is one: its (pid, pidfd), or None.
+        Until it says it took the request, it is watched: dying before that is the
+        server's failure, not the tenant's (see _reap)."""
+        # A request handed to a warming spare would wait for its warm-up.
+        pid = next((pid for pid, (_, _, warm) in self.ahead.items() if warm), None)
+        if pid is None:
+            return None
+        ours, pidfd, _ = self.ahead[pid]
         try:
             socket.send_fds(ours, [json.dumps({"argv": argv, "env": env}).encode()], fds)
         except OSError:  # it died since: reaped when its pidfd's event comes
             return None
-        self.spare = None
+        del self.ahead[pid]
         self.untaken[pid] = ours
         return pid, pidfd
 
     def _spare_child(self, server: int, theirs: socket.socket) -> None:
-        """In the spare: detach and warm up, then become the child of the request the
-        server passes on (the request and its fds, as the worker sent them)."""
+        """In the spare: detach, then run the request the server passes on (its argv and
+        environment, and the fds the worker sent) on the event loop it warmed up on."""
         self._detach(server)
-        warm = threading.Thread(target=warmup.in_worker, args=(self.preload,))
-        warm.start()  # on a thread, as a validation imports: its paths are warm too
-        warm.join()
+        from polyserve import validate
+
+        validate.runner().run(self._spare(theirs))
+
+    async def _spare(self, theirs: socket.socket) -> None:
+        import anyio.to_thread
+
+        from polyserve import validate
+
+        # On the worker thread that will import the version: its paths are warmed too,
+        # and the loop and the thread a validation would start first are there already.
+        await anyio.to_thread.run_sync(warmup.in_worker, self.preload)
         theirs.send(b"ready")
+        # Blocking the loop: nothing else runs on it yet.
         message, fds, _, _ = socket.recv_fds(theirs, _MAX_MESSAGE, 2)
         theirs.send(b"took")
         theirs.close()
         request = json.loads(message)
         self._become(request["argv"], request.get("env"), fds)
+        await validate.child(request["argv"])
 
     def _hung_up(self, client: socket.socket, pid: int) -> None:
         with contextlib.suppress(OSError):
@@ -352,13 +371,12 @@ class _Server:
     def _reap(self, pid: int) -> None:
         _, status = os.waitpid(pid, 0)
         _kill_group(pid)  # what the import left behind, as a spawned validator's parent does
-        if self.spare is not None and self.spare[0] == pid:  # died waiting: killed
-            _, ours, pidfd = self.spare
-            self.spare = None
+        if pid in self.ahead:  # died waiting: killed
+            ours, pidfd, _ = self.ahead.pop(pid)
             self._drop(ours)
             self.selector.unregister(pidfd)
             os.close(pidfd)
-            return  # the next request forks its own child, and then a spare
+            return  # forked again once no validation runs
         untaken, took = self.untaken.pop(pid, None), False
         if untaken is not None:  # its "took" may be in this same select, after the exit
             with contextlib.suppress(OSError):
@@ -375,7 +393,7 @@ class _Server:
         # server dies, so the worker validates in a new interpreter instead of blaming the
         # tenant's code.
         client.close()
-        if self.spares and not self.children and self.spare is None:
+        if not self.children and len(self.ahead) < self.spares:
             # Only once no validation runs, and a little later (_SPARE_DELAY_S): a
             # spare's fork and warm-up beside a validation took it longer than the
             # spare saved.
@@ -398,6 +416,9 @@ class _Server:
         self._detach(server)
         asked.close()
         self._become(argv, env, fds)
+        from polyserve import validate
+
+        validate.main(argv)  # ends with os._exit
 
     def _detach(self, server: int) -> None:
         """In a child: its own session and death signal, none of the server's sockets."""
@@ -414,16 +435,16 @@ class _Server:
             os.close(pidfd)
         for client in self.waiting:
             client.close()
-        if self.spare is not None:
-            self.spare[1].close()
-            os.close(self.spare[2])
+        for ours, pidfd, _ in self.ahead.values():
+            ours.close()
+            os.close(pidfd)
         for ours in self.untaken.values():
             ours.close()
         self.selector.close()
         self.listener.close()
 
     def _become(self, argv: list[str], env: dict[str, str] | None, fds: list[int]) -> None:
-        """Take the request's pipes and environment, then run the validator."""
+        """Take the request's pipes, environment and argv, as a spawned validator has them."""
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(fds[0], 1)
@@ -435,11 +456,10 @@ class _Server:
             os.environ.update(env)
         from polyserve import validate
 
-        sys.argv = [validate.__file__, *argv]  # as the spawned validator's
-        validate.main(argv)  # ends with os._exit
+        sys.argv = [validate.__file__, *argv]
 
     def stop(self) -> None:
-        for pid in [*self.children, *([self.spare[0]] if self.spare else [])]:
+        for pid in [*self.children, *self.ahead]:
             _kill_group(pid)
 
 
@@ -509,7 +529,7 @@ def main(argv: list[str]) -> None:
         listener.bind(_address(name))
         listener.listen(64)
         listener.setblocking(False)
-        server = _Server(listener, master, tuple(preload), spares=True)
+        server = _Server(listener, master, tuple(preload), spares=SPARES)
         server.run()
     except SystemExit:
         pass

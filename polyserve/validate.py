@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NoReturn
 
 from polyserve import forkserver as forkserver_mod
 from polyserve.errors import ClientError
@@ -176,8 +177,8 @@ async def _check(
 
     from polyserve import loader
 
-    # anyio starts its worker threads at first use; a worker pays that at boot, so the
-    # import time reported is the module's own.
+    # anyio starts its worker threads at first use; a worker pays that at boot (a fork
+    # server's spare before its request), so the import time reported is the module's own.
     await anyio.to_thread.run_sync(lambda: None)
     started = time.perf_counter()
     try:
@@ -192,16 +193,24 @@ async def _check(
     return {"ok": True, "kind": imported.kind, "import_ms": import_ms}, None
 
 
-def _loop_factory() -> object:
-    # The event loop workers run (uvicorn's "auto": uvloop when installed).
+def runner() -> asyncio.Runner:
+    """A runner of the event loop workers run (uvicorn's "auto": uvloop when installed)."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.new_event_loop
-    return uvloop.new_event_loop
+        return asyncio.Runner()
+    return asyncio.Runner(loop_factory=uvloop.new_event_loop)
 
 
 def main(argv: list[str]) -> None:
+    """The validator of a new interpreter, or of a child the fork server forked for it."""
+    # Not closed: closing would wait for threads and tasks the tenant left running.
+    runner().run(child(argv))
+
+
+async def child(argv: list[str]) -> NoReturn:
+    """Validate the version `argv` names, write the result line, and exit. Run on the
+    event loop: main()'s, or the one a fork server's spare set up while it waited."""
     root, entry, memory_mb, timeout = Path(argv[0]), argv[1], int(argv[2]), float(argv[3])
     deps = Path(argv[4]) if len(argv) > 4 else None
     result_fd = os.dup(1)
@@ -215,9 +224,7 @@ def main(argv: list[str]) -> None:
     # PYTHONDONTWRITEBYTECODE, so nothing else would write it). Files that do not
     # compile are reported by the import below if the entry actually uses them.
     compileall.compile_dir(str(root), quiet=2, workers=1)
-    # Not closed: closing would wait for threads and tasks the tenant left running.
-    runner = asyncio.Runner(loop_factory=_loop_factory())  # type: ignore[arg-type]
-    result, cause = runner.run(_check(root, entry, timeout, deps))
+    result, cause = await _check(root, entry, timeout, deps)
     if isinstance(cause, MemoryError):
         result["error"] = (
             f"import of {entry} exceeded the validator's {memory_mb} MiB"

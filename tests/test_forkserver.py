@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -178,59 +179,71 @@ def test_fork_servers_whose_masters_die_while_they_start_all_exit():
                 os.kill(pid, signal.SIGKILL)
 
 
+def imported_in(marker: Path) -> list[tuple[int, int]]:
+    """The (pid, parent pid) of each import recorder() saw, in order."""
+    return [tuple(map(int, line.split())) for line in marker.read_text().split("\n") if line]
+
+
 def test_a_validation_runs_in_a_child_of_the_server_not_in_it(tmp_path, server):
     """The tenant module is imported by a forked child, never by the server itself."""
     marker = tmp_path / "imported"
     check(tmp_path, server.name, recorder(marker))
-    ((pid, parent),) = [tuple(map(int, line.split())) for line in marker.read_text().splitlines()]
+    ((pid, parent),) = imported_in(marker)
     assert parent == server.proc.pid and pid != server.proc.pid
 
 
-def the_spare(server: forkserver.ForkServer, other_than: int = 0) -> int:
-    """The server's one child while no validation runs: the spare it forked ahead."""
+def the_spares(server: forkserver.ForkServer, other_than: set[int] = frozenset()) -> set[int]:
+    """The server's children while no validation runs: the spares it forked ahead, once
+    there are as many as it keeps (and none of them is in `other_than`)."""
 
-    def one() -> int | None:
-        found = list(children(server.proc.pid))
-        return found[0] if len(found) == 1 and found[0] != other_than else None
+    def all_of_them() -> set[int] | None:
+        found = set(children(server.proc.pid))
+        return found if len(found) == forkserver.SPARES and not found & other_than else None
 
-    return until(one, what="the fork server's spare child")
+    return until(all_of_them, what="the fork server's spare children")
+
+
+def warm(spares: set[int]) -> None:
+    until(lambda: all(map(waiting_for_its_request, spares)), what="the spares to be warm")
+
+
+# recvmsg(2)'s number: the spare's main thread reads its request with it once warm (until
+# then it waits on its event loop, in epoll, while its worker thread warms up).
+RECVMSG = {"x86_64": 47, "aarch64": 212}[platform.machine()]
 
 
 def waiting_for_its_request(pid: int) -> bool:
-    """Warm (its warm-up thread is gone) and asleep: in the read of its request."""
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return len(os.listdir(f"/proc/{pid}/task")) == 1 and state == "S"
+    """Warm: in the read of its request."""
+    return Path(f"/proc/{pid}/syscall").read_text().split()[0] == str(RECVMSG)
 
 
-def test_a_validation_runs_in_the_spare_forked_ahead_and_another_follows(tmp_path):
-    """The server forks its next child before it is asked; the request runs there, and
-    once no validation runs the server forks the next spare. Stopping the server stops
-    the spare too."""
+def test_validations_run_in_the_spares_forked_ahead_and_others_follow(tmp_path):
+    """The server forks its next children before they are asked for: a validation runs
+    in one, and one right after it in the other. Once no validation runs it forks
+    spares again; stopping the server stops them too."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    with running_forkserver() as server:
+        spares = the_spares(server)
+        warm(spares)
+        check(tmp_path, server.name, recorder(first))
+        check(tmp_path, server.name, recorder(second))
+        ((a, a_parent),), ((b, b_parent),) = imported_in(first), imported_in(second)
+        assert {a, b} == spares and a_parent == b_parent == server.proc.pid
+        following = the_spares(server, other_than=spares)
+    until(lambda: not any(map(alive, following)), what="the spares to go with their server")
+
+
+def test_killed_spares_leave_the_server_forking_on_demand(tmp_path):
     marker = tmp_path / "imported"
     with running_forkserver() as server:
-        spare = the_spare(server)
-        until(lambda: waiting_for_its_request(spare), what="the spare to be warm")
+        spares = the_spares(server)
+        for pid in spares:
+            os.kill(pid, signal.SIGKILL)
+        until(lambda: not spares & set(children(server.proc.pid)), what="the spares reaped")
         check(tmp_path, server.name, recorder(marker))
-        ((pid, parent),) = [
-            tuple(map(int, line.split())) for line in marker.read_text().split("\n") if line
-        ]
-        assert (pid, parent) == (spare, server.proc.pid)
-        following = the_spare(server, other_than=spare)
-    until(lambda: not alive(following), what="the spare to go with its server")
-
-
-def test_a_killed_spare_leaves_the_server_forking_on_demand(tmp_path):
-    marker = tmp_path / "imported"
-    with running_forkserver() as server:
-        spare = the_spare(server)
-        os.kill(spare, signal.SIGKILL)
-        until(lambda: spare not in list(children(server.proc.pid)), what="the spare reaped")
-        check(tmp_path, server.name, recorder(marker))
-        ((pid, parent),) = [
-            tuple(map(int, line.split())) for line in marker.read_text().split("\n") if line
-        ]
-        assert parent == server.proc.pid and pid != spare
-        the_spare(server, other_than=pid)  # and after it, a spare again
+        ((pid, parent),) = imported_in(marker)
+        assert parent == server.proc.pid and pid not in spares
+        the_spares(server, other_than={pid, *spares})  # and after it, spares again
 
 
 def test_a_spare_that_dies_before_it_reads_its_request_reports_no_exit_status(tmp_path):
@@ -239,14 +252,17 @@ def test_a_spare_that_dies_before_it_reads_its_request_reports_no_exit_status(tm
     (tmp_path / "main.py").write_text(GOOD)
     argv = [str(tmp_path), "main.py", "4096", "20"]
     with running_forkserver() as server:
-        spare = the_spare(server)
-        until(lambda: waiting_for_its_request(spare), what="the spare to be warm")
-        os.kill(spare, signal.SIGSTOP)  # it cannot read what the server passes on
+        spares = the_spares(server)
+        warm(spares)
+        for pid in spares:
+            os.kill(pid, signal.SIGSTOP)  # neither can read what the server passes on
 
         async def handed_then_killed() -> tuple[int | None, bool]:
             forked = await forkserver.fork(server.name, argv, None)
-            assert forked is not None and forked.pid == spare
-            os.kill(spare, signal.SIGKILL)
+            assert forked is not None and forked.pid in spares
+            os.kill(forked.pid, signal.SIGKILL)
+            for pid in spares - {forked.pid}:
+                os.kill(pid, signal.SIGCONT)
             try:
                 return await forked.wait(), forked.server_gone
             finally:
@@ -257,12 +273,19 @@ def test_a_spare_that_dies_before_it_reads_its_request_reports_no_exit_status(tm
         assert check(tmp_path, server.name, GOOD)["kind"] == "handle"
 
 
-def test_the_spare_holds_none_of_the_servers_sockets(server):
-    """Its only socket is the one its request comes on (the listener and the clients'
-    sockets stay the server's), so tenant code reaches none of them."""
-    spare = the_spare(server)
-    links = [os.readlink(f"/proc/{spare}/fd/{fd}") for fd in os.listdir(f"/proc/{spare}/fd")]
-    assert sum(link.startswith("socket:") for link in links) == 1, links
+def test_the_spares_hold_none_of_the_servers_sockets(server):
+    """Their sockets are their own (the one a request comes on, their event loop's): the
+    listener and the clients' sockets stay the server's, so tenant code reaches none."""
+
+    def sockets(pid: int) -> set[str]:
+        links = (os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+        return {link for link in links if link.startswith("socket:")}
+
+    spares = the_spares(server)
+    warm(spares)
+    for pid in spares:
+        assert sockets(pid), "a spare has no socket to read its request on"
+        assert not sockets(pid) & sockets(server.proc.pid)
 
 
 def test_a_client_that_never_asks_delays_no_validation(tmp_path, server):
