@@ -9,7 +9,7 @@ fork of workers), which imports POLYSERVE_PRELOAD's modules once and waits. A wo
 `fork()` asks it over a Unix socket for a child and passes the child's stdout and stderr
 pipes with SCM_RIGHTS; the child takes the same limits a spawned validator does (new
 session, RLIMIT_AS, killed with its group at the timeout) and runs exactly that
-validator's code, `polyserve.validate.main`. The server itself never runs tenant code:
+validator's code, `polyserve.validate.child`. The server itself never runs tenant code:
 it only forks, reaps and reports exit statuses. It forks children ahead of their requests:
 two spares, forked at the start and half a second after the last validation ended. Each
 detaches, warms up as a worker does at boot (polyserve.warmup.in_worker) on the event
@@ -63,7 +63,7 @@ _PARENT_CHECK_S = 1.0  # how long an orphaned server may outlive its master
 # beside them made those slower (two cores here).
 _SPARE_DELAY_S = 0.5
 SPARES = 2  # children kept forked ahead of their requests, ~4 MiB of its own each
-EXIT_CHILD_FAILED = 70  # EX_SOFTWARE: the child failed before validate.main took over
+EXIT_CHILD_FAILED = 70  # EX_SOFTWARE: the child failed before validate.child took over
 # What a validation child uses on top of the preloaded modules: imported once here, so
 # the import time a validation reports is the tenant module's own, as in a worker.
 _WARM = (

@@ -1,7 +1,7 @@
 """Import and start a staged version as a worker will, in a throwaway subprocess, before publish.
 
 The parent side is `validate()`. The child (`python -m polyserve.validate ROOT ENTRY
-MEMORY_MB TIMEOUT [DEPS]`, or the same `main` forked by polyserve.forkserver) byte-compiles
+MEMORY_MB TIMEOUT [DEPS]`, or the same `child` in a fork of polyserve.forkserver) byte-compiles
 the version, then on an event loop like a worker's imports its entry on a worker thread,
 runs the ASGI lifespan startup and shutdown, and writes one JSON line to its original
 stdout; tenant output is moved to stderr first.
