@@ -110,6 +110,8 @@ def bare_gunicorn(app: str, workers: int, **env: str) -> Server:
             sys.executable,
             "-m",
             "gunicorn",
+            "-c",  # not the repository's gunicorn.conf.py: polyserve's hooks and settings
+            str(APPS / "bare.conf.py"),
             "-k",
             "uvicorn_worker.UvicornWorker",
             "-w",
