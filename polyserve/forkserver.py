@@ -48,6 +48,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -151,6 +152,15 @@ def stop_child(proc: subprocess.Popen[bytes], timeout: float) -> None:
 # -- the server --------------------------------------------------------------------------
 
 
+@dataclass
+class _Spare:
+    """A child forked ahead of its request, as the server sees it."""
+
+    sock: socket.socket  # the server's end of the spare's own socket
+    pidfd: int
+    warm: bool = False  # it said "ready": only then is it handed a request
+
+
 class _Server:
     """One thread, one selector: accept, fork on a request, report each child's exit
     (a pidfd per child). It never blocks on a client, so a client that connects and says
@@ -170,9 +180,7 @@ class _Server:
         self.selector.register(listener, selectors.EVENT_READ, None)
         self.children: dict[int, tuple[socket.socket, int]] = {}  # pid -> (client, pidfd)
         self.waiting: set[socket.socket] = set()  # clients that have not asked yet
-        # Children forked ahead of their request: pid -> [its socket, its pidfd, warm].
-        # Only a warm one (it said "ready") is handed a request.
-        self.ahead: dict[int, list[Any]] = {}
+        self.ahead: dict[int, _Spare] = {}  # children forked ahead of their request
         self.untaken: dict[int, socket.socket] = {}  # former spares yet to say they took it
         self.spares = spares  # how many to keep forked ahead: the server's loop (main) does
         self.spare_due: float | None = None  # when to fork the next spares (monotonic s)
@@ -296,7 +304,7 @@ class _Server:
         self.selector.register(pidfd, selectors.EVENT_READ, pid)
         ours.setblocking(False)
         self.selector.register(ours, selectors.EVENT_READ, ("spare", pid))
-        self.ahead[pid] = [ours, pidfd, False]
+        self.ahead[pid] = _Spare(ours, pidfd)
         return True
 
     def _spare_says(self, ours: socket.socket, pid: int) -> None:
@@ -309,7 +317,7 @@ class _Server:
         except OSError:
             said = b""
         if said == b"ready" and pid in self.ahead:
-            self.ahead[pid][2] = True
+            self.ahead[pid].warm = True
         elif said == b"took" and pid in self.untaken:
             self.selector.unregister(ours)
             self.untaken.pop(pid).close()
@@ -323,17 +331,17 @@ class _Server:
         Until it says it took the request, it is watched: dying before that is the
         server's failure, not the tenant's (see _reap)."""
         # A request handed to a warming spare would wait for its warm-up.
-        pid = next((pid for pid, (_, _, warm) in self.ahead.items() if warm), None)
+        pid = next((pid for pid, spare in self.ahead.items() if spare.warm), None)
         if pid is None:
             return None
-        ours, pidfd, _ = self.ahead[pid]
+        spare = self.ahead[pid]
         try:
-            socket.send_fds(ours, [json.dumps({"argv": argv, "env": env}).encode()], fds)
+            socket.send_fds(spare.sock, [json.dumps({"argv": argv, "env": env}).encode()], fds)
         except OSError:  # it died since: reaped when its pidfd's event comes
             return None
         del self.ahead[pid]
-        self.untaken[pid] = ours
-        return pid, pidfd
+        self.untaken[pid] = spare.sock
+        return pid, spare.pidfd
 
     def _spare_child(self, server: int, theirs: socket.socket) -> None:
         """In the spare: detach, then run the request the server passes on (its argv and
@@ -372,10 +380,10 @@ class _Server:
         _, status = os.waitpid(pid, 0)
         _kill_group(pid)  # what the import left behind, as a spawned validator's parent does
         if pid in self.ahead:  # died waiting: killed
-            ours, pidfd, _ = self.ahead.pop(pid)
-            self._drop(ours)
-            self.selector.unregister(pidfd)
-            os.close(pidfd)
+            spare = self.ahead.pop(pid)
+            self._drop(spare.sock)
+            self.selector.unregister(spare.pidfd)
+            os.close(spare.pidfd)
             return  # forked again once no validation runs
         untaken, took = self.untaken.pop(pid, None), False
         if untaken is not None:  # its "took" may be in this same select, after the exit
@@ -435,9 +443,9 @@ class _Server:
             os.close(pidfd)
         for client in self.waiting:
             client.close()
-        for ours, pidfd, _ in self.ahead.values():
-            ours.close()
-            os.close(pidfd)
+        for spare in self.ahead.values():
+            spare.sock.close()
+            os.close(spare.pidfd)
         for ours in self.untaken.values():
             ours.close()
         self.selector.close()
