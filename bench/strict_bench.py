@@ -40,12 +40,13 @@ class Transport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.writes = 0
-        self.last = self.before_last = b""  # an answer's head and body, to compare
+        self.kept: list[bytes] | None = None  # when a list, what is written, to compare
         self.closed = False
 
     def write(self, data: Any) -> None:
         self.writes += 1
-        self.before_last, self.last = self.last, data
+        if self.kept is not None:
+            self.kept.append(bytes(data))
 
     def close(self) -> None:
         self.closed = True

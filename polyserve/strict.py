@@ -36,11 +36,9 @@ from typing import Any, ClassVar
 
 import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, service_unavailable
-from uvicorn.protocols.http.httptools_impl import (
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from polyserve.cycle import Cycle
 
 # gunicorn's ceilings (gunicorn.http.message): what its own parser applies to its settings.
 MAX_REQUEST_LINE = 8190
@@ -334,7 +332,7 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
             app = self.app
 
         existing_cycle = self.cycle
-        self.cycle = RequestResponseCycle(
+        self.cycle = Cycle(  # uvicorn's, with a response's head and body in one write
             scope=self.scope,
             transport=self.transport,
             flow=self.flow,
