@@ -50,7 +50,7 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/mypy
 
 # Benchmarks never run in `make test`; tests/test_bench.py only checks they run. Writes
-# bench/results/<date>.json, its chart, and BENCHMARKS.md (about 5 minutes).
+# bench/results/<date>.json, its chart, and BENCHMARKS.md (about 13 minutes).
 bench: $(VENV)/.installed-dev
 	@command -v wrk >/dev/null || { echo "wrk is missing: install it with 'apt-get install wrk' (Debian/Ubuntu) or your package manager"; exit 1; }
 	$(BIN)/python bench/run.py

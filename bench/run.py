@@ -67,7 +67,7 @@ def ab_rounds(
     for url in (a_url, b_url):  # warm up: imports, caches, connection pools
         wrk(url, 32, 1)
     runs: dict[int, list[tuple[dict, dict]]] = {c: [] for c in connections}
-    for round_ in range(args.rounds):
+    for round_ in range(args.ab_rounds):
         for c in connections:
             order = [("a", a_url), ("b", b_url)]
             if round_ % 2:
@@ -447,7 +447,7 @@ def scenario_fleet(args, tmp: Path) -> dict:
 
 
 def scenario_preload(args, tmp: Path) -> dict:
-    result = run_script("preload.py", "--samples", str(max(5, args.rounds * 2)))
+    result = run_script("preload.py", "--samples", str(max(5, args.rounds * 4)))
     a = result["preload"]
     return {
         "a": "POLYSERVE_PRELOAD=numpy,onnxruntime (the default): a fresh worker's first load",
@@ -596,8 +596,12 @@ def machine() -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=int, default=3, help="per wrk run")
+    parser.add_argument("--rounds", type=int, default=5, help="the repeats' scale (samples, runs)")
+    # Many short wrk rounds, not a few long ones: a round's A/B ratio scatters by ~13% on
+    # this machine, whether it lasts 1 s or 3 s, so only their number narrows the median
+    # (bench/NOTES.md, "How many rounds an A/B needs").
+    parser.add_argument("--ab-rounds", type=int, help="wrk A/B rounds (default: 4x --rounds)")
+    parser.add_argument("--seconds", type=int, default=1, help="per wrk run")
     # As many workers as the servers' cores (one here) for A and B alike; wrk gets the rest.
     parser.add_argument("--workers", type=int, default=len(harness.SERVER_CPUS))
     parser.add_argument("--cold-cycles", type=int, default=200)
@@ -616,6 +620,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--report", type=Path, default=REPO / "BENCHMARKS.md")
     args = parser.parse_args()
+    args.ab_rounds = args.ab_rounds or 4 * args.rounds
     harness.wrk_path()  # says how to install wrk before anything starts
     date = datetime.date.today().isoformat()
     path = args.out / f"{date}.json"

@@ -62,6 +62,8 @@ def test_make_bench_runs_one_short_round(tmp_path):
             "bench/run.py",
             "--rounds",
             "1",
+            "--ab-rounds",
+            "1",
             "--seconds",
             "1",
             "--only",
