@@ -15,6 +15,7 @@ import inspect
 import json
 import re
 import socket
+import struct
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,29 @@ def test_valid_requests_still_pass(space, request_):
     answer = exchange(space, request_)
     status = answer.split(b" ")[1:2]
     assert status and status[0][:1] in (b"2", b"4") and status[0] not in REFUSED, answer[:300]
+
+
+# struct tcp_info's tcpi_data_segs_in (Linux 4.6 and later): segments received with data.
+DATA_SEGS_IN = 152
+
+
+def data_segments_in(s: socket.socket) -> int:
+    info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    if len(info) < DATA_SEGS_IN + 4:
+        pytest.skip("this kernel's tcp_info has no tcpi_data_segs_in: Linux 4.6 or later")
+    return struct.unpack_from("I", info, DATA_SEGS_IN)[0]
+
+
+def test_a_small_answer_arrives_in_one_segment(space):
+    """A handle() answer's head and body leave in one write (polyserve/cycle.py): over a
+    real socket, each of 20 keep-alive answers is one TCP segment, not two."""
+    with socket.create_connection(("127.0.0.1", space.port), timeout=30) as s:
+        before = data_segments_in(s)
+        for _ in range(20):
+            s.sendall(b"GET /s/o/x/ HTTP/1.1\r\nHost: a\r\n\r\n")
+            answer = read_answer(s)
+            assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"ok":true}')
+        assert data_segments_in(s) - before == 20
 
 
 def tight_host(host_factory: Any, fields: int) -> HostProcess:
