@@ -3,10 +3,13 @@
 uvicorn writes a response's head as soon as the app sends `http.response.start`, and its
 body at `http.response.body`: two writes, and on a TCP_NODELAY socket (uvloop sets it) two
 segments and two wake-ups of the client, for an answer of a few hundred bytes. Here the
-head of a response whose length is known (Content-Length, or no body: HEAD, 204, 304)
-waits for the first body message and leaves in the same write; over loopback that made
-the onnx-tiny space ~10% faster under load (bench/NOTES.md). A chunked response (a
-stream, whose first chunk may be a long way off) still gets its head at once.
+head of a response whose length is known (Content-Length, or no body: 204, 304) waits
+for the first body message and leaves in the same write; over loopback that made the
+onnx-tiny space ~10% faster under load (bench/NOTES.md). A head still leaves at once
+where holding it would delay what a client waits for: a chunked response's (a stream,
+whose first chunk may be a long way off), a HEAD response's (no body follows), and the
+head of a request sent with `Expect: 100-continue` (its client may hold the body back
+until it sees an answer, which the app may be reading first).
 
 What a client may see differently: a response started and then abandoned (the app raised,
 or was cancelled, before its body) now closes the connection without a byte of it, where
@@ -55,6 +58,7 @@ class Cycle(RequestResponseCycle):
                 )
 
             self.response_started = True
+            expecting = self.waiting_for_100_continue  # polyserve: see below
             self.waiting_for_100_continue = False
 
             status_code = message["status"]
@@ -107,8 +111,10 @@ class Cycle(RequestResponseCycle):
                 content.append(b"transfer-encoding: chunked\r\n")
 
             content.append(b"\r\n")
-            # polyserve: a stream's head now, a fixed-length response's with its body.
-            if self.chunked_encoding:
+            # polyserve: a fixed-length response's head leaves with its body. Now: a
+            # stream's; a HEAD's, which no body byte follows; and one whose client waits
+            # for a 100 Continue, or this head, before it sends the body the app reads.
+            if self.chunked_encoding or expecting or self.scope["method"] == "HEAD":
                 self.transport.write(b"".join(content))
             else:
                 self.head = b"".join(content)
@@ -152,7 +158,7 @@ class Cycle(RequestResponseCycle):
             if not more_body:
                 if self.expected_content_length != 0:
                     raise RuntimeError("Response content shorter than Content-Length")
-                if self.head is not None:  # polyserve: a head without a body (HEAD, 204)
+                if self.head is not None:  # polyserve: a head without a body (204, 304)
                     self.transport.write(self.head)
                     self.head = None
                 self.response_complete = True

@@ -129,7 +129,7 @@ def test_a_body_in_parts_carries_the_head_in_its_first_write():
     ],
 )
 def test_a_head_without_a_body_still_leaves(request_, status, headers):
-    """HEAD, 204 and 304 send no body bytes: the head goes out when the response ends."""
+    """HEAD, 204 and 304 send no body bytes: the head goes out all the same."""
     ours, uvicorns = both(answering(status, headers, b""), request_)
     assert ours == [uvicorns[0]], (ours, uvicorns)
     assert ours[0].endswith(b"\r\n\r\n") and ours[0].startswith(b"HTTP/1.1 %d " % status)
@@ -142,32 +142,79 @@ def test_connection_close_comes_after_the_answer():
     assert ours == [uvicorns[0] + uvicorns[1], CLOSED]
 
 
+async def before_and_after(app: App, request: bytes, then: bytes = b"") -> tuple[list, list]:
+    """What polyserve's protocol has written once `app` waits after its start, and once
+    it was released (`app` gets the event as scope["release"]) and `then` was received."""
+    release = asyncio.Event()
+
+    async def released(scope: Any, receive: Any, send: Any) -> None:
+        await app({**scope, "release": release}, receive, send)
+
+    protocol, transport = connection(strict.protocol(GunicornConfig()), released)
+    protocol.data_received(request)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    before = list(transport.writes)
+    release.set()
+    if then:
+        protocol.data_received(then)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert protocol.cycle.response_complete
+    return before, transport.writes
+
+
+async def stream(scope: Any, receive: Any, send: Any) -> None:
+    """A stream: its start, a wait, a chunk, its end."""
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await scope["release"].wait()
+    await send({"type": "http.response.body", "body": b"tick", "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
 def test_a_streams_head_leaves_before_its_first_chunk():
     """A response without a length (chunked) gets its head at once: its first chunk may be
     a long way off, and the client should know the status meanwhile."""
-    release = asyncio.Event()
-
-    async def stream(scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await release.wait()
-        await send({"type": "http.response.body", "body": b"tick", "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-
-    async def run() -> tuple[list[bytes], list[bytes]]:
-        protocol, transport = connection(strict.protocol(GunicornConfig()), stream)
-        protocol.data_received(GET)
-        for _ in range(5):
-            await asyncio.sleep(0)
-        before = list(transport.writes)
-        release.set()
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert protocol.cycle.response_complete
-        return before, transport.writes
-
-    before, after = asyncio.run(run())
+    before, after = asyncio.run(before_and_after(stream, GET))
     assert before == [after[0]] and b"transfer-encoding: chunked\r\n" in before[0], before
     assert after[1:] == [b"4\r\ntick\r\n", b"0\r\n\r\n"]
+
+
+@pytest.mark.parametrize("headers", [[], [(b"content-length", b"4")]], ids=["stream", "length"])
+def test_a_head_requests_head_leaves_at_once(headers):
+    """No body byte follows a HEAD response's head: it is not held for a body message
+    that may be a long way off (an endless stream's never ends)."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await scope["release"].wait()
+        await send({"type": "http.response.body", "body": b"tick"})
+
+    head = b"HEAD / HTTP/1.1\r\nHost: a\r\n\r\n"
+    before, after = asyncio.run(before_and_after(app, head))
+    assert len(before) == 1 and before[0].startswith(b"HTTP/1.1 200 OK\r\n"), before
+    assert after == before  # and nothing more: HEAD has no body
+
+
+def test_a_head_leaves_at_once_when_the_client_expects_100_continue():
+    """A client that sent `Expect: 100-continue` may hold its body back until it sees an
+    answer; an app that starts its response and then reads the body must not wait on it."""
+
+    async def echo(scope: Any, receive: Any, send: Any) -> None:
+        length = [(b"content-length", b"5")]
+        await send({"type": "http.response.start", "status": 200, "headers": length})
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.body", "body": body})
+
+    post = b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+    before, after = asyncio.run(before_and_after(echo, post, then=b"hello"))
+    assert len(before) == 1 and before[0].startswith(b"HTTP/1.1 200 OK\r\n"), before
+    assert after == [before[0], b"hello"]
 
 
 def test_a_response_abandoned_after_its_start_sends_nothing():
