@@ -158,9 +158,6 @@ class Cycle(RequestResponseCycle):
             if not more_body:
                 if self.expected_content_length != 0:
                     raise RuntimeError("Response content shorter than Content-Length")
-                if self.head is not None:  # polyserve: a head without a body (204, 304)
-                    self.transport.write(self.head)
-                    self.head = None
                 self.response_complete = True
                 self.message_event.set()
                 if not self.keep_alive:
