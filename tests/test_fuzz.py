@@ -76,7 +76,9 @@ def fuzz_store(tmp_path_factory) -> tuple[Store, Path]:
     return Store(root / "data", max_spaces=4), root
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.lists(member, max_size=6))
 def test_staging_a_tar_either_refuses_it_or_writes_only_plain_files_inside(fuzz_store, members):
     store, root = fuzz_store
@@ -106,7 +108,9 @@ long_member = st.tuples(
 )
 
 
-@settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     st.lists(long_member, min_size=1, max_size=4),
     st.sampled_from([tarfile.PAX_FORMAT, tarfile.GNU_FORMAT]),

@@ -157,10 +157,15 @@ def httpx_delete(host: HostProcess, path: str) -> int:
 
 def test_a_sleeping_sync_handler_does_not_stall_another_space(host_factory, tmp_path):
     host = host_factory("one", workers=1)
-    marker = tmp_path / "sleeping"
+    marker, gate = tmp_path / "sleeping", tmp_path / "wake"
+    # The slow handler sleeps until the test opens the gate (at most 60 s), not for a
+    # fixed time that a loaded machine could outlast before the fast requests are sent.
     slow = (
         f"import pathlib, time\ndef handle(request):\n"
-        f"    pathlib.Path({str(marker)!r}).touch()\n    time.sleep(3)\n    return 'slow'\n"
+        f"    pathlib.Path({str(marker)!r}).touch()\n"
+        f"    for _ in range(600):\n"
+        f"        if pathlib.Path({str(gate)!r}).exists():\n            break\n"
+        f"        time.sleep(0.1)\n    return 'slow'\n"
     )
     assert host.deploy("t/slow", slow).status_code == 200
     assert host.deploy("t/fast", "async def handle(r):\n    return 'fast'\n").status_code == 200
@@ -170,6 +175,7 @@ def test_a_sleeping_sync_handler_does_not_stall_another_space(host_factory, tmp_
     until(marker.exists, what="the slow handler to start")
     assert [host.get("/s/t/fast/").text for _ in range(5)] == ["fast"] * 5
     assert "slow" not in result, "the fast space answered while the slow one slept"
+    gate.touch()
     thread.join()
     assert result["slow"] == "slow"
 
