@@ -3,7 +3,8 @@
 Exit codes, for scripts: 0 done; 1 the host refused (a 4xx: its error is printed); 2 a
 usage error (bad arguments, a directory that cannot be packed, a declined
 confirmation); 3 the host is unreachable or failed (a 5xx); 4 a fleet committed the
-change but some live hosts have not applied it yet (a 202: they are named).
+change but some live hosts have not applied it yet (a 202: they are named); 5 the answer
+is not a polyserve host's (not JSON, another shape, empty, cut short: a proxy's page).
 """
 
 from __future__ import annotations
@@ -22,13 +23,22 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from polyserve.client import DEFAULT_URL, Client, HostRefused, HostUnavailable, space_path
+from polyserve.client import (
+    DEFAULT_URL,
+    BadAnswer,
+    Client,
+    HostRefused,
+    HostUnavailable,
+    space_path,
+)
 from polyserve.render import human_bytes, human_ms, human_time, plural, table
 
 EXIT_REFUSED = 1
 EXIT_USAGE = 2  # click's own for a usage error
 EXIT_UNAVAILABLE = 3
 EXIT_LAGGING = 4
+EXIT_BAD_ANSWER = 5
+_CLIENT = "polyserve.client"  # the command's Client, in click's context
 LOGS_POLL_S = 1.0  # `logs -f`: how often the host is asked for new records
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -49,6 +59,16 @@ class _HostCommand(click.Command):
         except HostUnavailable as exc:
             status = f" (HTTP {exc.status})" if exc.status else ""
             _fail(ctx, [f"error: {exc.error}{status}"], EXIT_UNAVAILABLE)
+        except BadAnswer as exc:
+            _fail(ctx, [f"error: {exc}"], EXIT_BAD_ANSWER)
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+            # A JSON object without the fields a command reads, or with others in their
+            # place: the answer's shape is not polyserve's.
+            client = ctx.meta.get(_CLIENT)
+            if client is None or client.status is None:
+                raise  # no answer read yet: not the host's doing
+            shape = f"JSON of another shape ({type(exc).__name__}: {exc})"
+            _fail(ctx, [f"error: {BadAnswer(client.url, client.status, shape)}"], EXIT_BAD_ANSWER)
 
 
 def _fail(ctx: click.Context, lines: list[str], code: int) -> NoReturn:
@@ -110,9 +130,11 @@ def _json_option(func: _F) -> _F:
 
 def _client(url: str, token: str, timeout: float) -> Client:
     try:
-        return Client(url, token, timeout)
+        client = Client(url, token, timeout)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--url") from None
+    click.get_current_context().meta[_CLIENT] = client  # for _HostCommand's errors
+    return client
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -121,7 +143,8 @@ def main() -> None:
 
     Every command but autoscale talks to one host (--url, or POLYSERVE_URL). Exit codes:
     0 done, 1 the host refused, 2 usage error, 3 host unreachable or failed (5xx),
-    4 a fleet has not applied the change on every host yet.
+    4 a fleet has not applied the change on every host yet, 5 an answer that is not
+    polyserve's (a proxy's page, another server).
     """
 
 
@@ -162,7 +185,12 @@ def deploy(
         if dry_run:
             raise click.UsageError("--dry-run lists what a directory would ship: PATH is a file")
         filename, data = path.name, path.read_bytes()
-    status, body = _client(url, token, timeout).deploy(space, filename, data)
+    try:
+        status, body = _client(url, token, timeout).deploy(space, filename, data)
+    except (HostRefused, BadAnswer) as exc:
+        if exc.status != 413:
+            raise
+        raise _too_large(exc, len(data)) from None
     if as_json:
         click.echo(json.dumps(body))
     else:
@@ -172,6 +200,19 @@ def deploy(
             f" {body.get('entry')}, {human_bytes(body.get('size'))}{_hosts(body)}"
         )
     _lagging(status, body)
+
+
+def _too_large(exc: HostRefused | BadAnswer, size: int) -> HostRefused:
+    """A 413 to a deploy, with the upload's size. polyserve's answer says which limit it
+    passed; a proxy's page names none."""
+    if isinstance(exc, HostRefused):
+        return HostRefused(413, exc.error, {**exc.details, "upload": human_bytes(size)})
+    return HostRefused(
+        413,
+        f"the upload is too large for the host at {exc.url}; the answer names no limit"
+        " (a proxy's, or the host's POLYSERVE_MAX_UPLOAD_MB)",
+        {"upload": human_bytes(size)},
+    )
 
 
 @main.command(cls=_HostCommand, short_help="Make a kept version current again.")

@@ -9,7 +9,9 @@ multipart encoder: `_multipart` below, for the deploy form's two fields.
 
 from __future__ import annotations
 
+import http.client
 import json
+import re
 import secrets
 import urllib.error
 import urllib.parse
@@ -37,6 +39,58 @@ class HostUnavailable(Exception):
     status: int | None = None  # None: no answer at all
 
 
+@dataclass
+class BadAnswer(Exception):
+    """Something answered, but not as a polyserve host does: not JSON, another shape, an
+    empty body, one cut short (a proxy's page, another server, another version)."""
+
+    url: str
+    status: int | None  # None: not even an HTTP status line
+    what: str
+
+    def __str__(self) -> str:
+        what = f"HTTP {self.status} with {self.what}" if self.status else self.what
+        return f"the host at {self.url} answered {what}, not polyserve's JSON"
+
+
+class _Connection(http.client.HTTPConnection):
+    """A connection that reads the answer a host sent before the request's body was all
+    sent. A host refuses an upload over its limit at once (413) and closes, so sending
+    the rest fails with a broken pipe or a reset while the answer waits to be read."""
+
+    _unsent: OSError | None = None
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().request(*args, **kwargs)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            if self.sock is None:
+                raise
+            self._unsent = exc
+
+    def getresponse(self) -> http.client.HTTPResponse:
+        try:
+            return super().getresponse()
+        except (OSError, http.client.HTTPException):
+            if self._unsent is not None:  # no answer came: the failed send is the news
+                raise self._unsent from None
+            raise
+
+
+class _TLSConnection(_Connection, http.client.HTTPSConnection):
+    pass
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_Connection, req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_TLSConnection, req)
+
+
 class Client:
     def __init__(self, url: str, token: str = "", timeout: float = 120.0) -> None:
         parsed = urllib.parse.urlsplit(url)
@@ -45,6 +99,8 @@ class Client:
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
+        self.status: int | None = None  # of the last answer: what a malformed one says
+        self._opener = urllib.request.build_opener(_HTTPHandler, _HTTPSHandler)
 
     def get(self, path: str, **query: object) -> Any:
         return self.call("GET", path, query=query)[1]
@@ -58,8 +114,9 @@ class Client:
         body: bytes | None = None,
         content_type: str | None = None,
     ) -> tuple[int, Any]:
-        """One request: (status, the JSON answer) for a 2xx; HostRefused for a 4xx;
-        HostUnavailable for a 5xx or no answer."""
+        """One request: (status, the JSON object answered) for a 2xx; HostRefused for a
+        4xx; HostUnavailable for a 5xx or no answer; BadAnswer for an answer that is not
+        polyserve's."""
         url = self.url + path
         if query:
             url += "?" + urllib.parse.urlencode(query)
@@ -69,18 +126,50 @@ class Client:
         if self.token:
             request.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return response.status, _json(response.read())
+            with self._opener.open(request, timeout=self.timeout) as response:
+                self.status = response.status
+                answer = self._json(response)
+                if not isinstance(answer, dict):
+                    raise BadAnswer(self.url, self.status, f"JSON {type(answer).__name__}")
+                return response.status, answer
         except urllib.error.HTTPError as exc:  # an answer, 4xx or 5xx
+            self.status = exc.code
             with exc:
-                answer = _json(exc.read())
-            error, details = _error_of(answer, exc.code)
+                answer = self._json(exc)
+            if not isinstance(answer, dict) or not isinstance(answer.get("error"), str):
+                raise BadAnswer(self.url, exc.code, "JSON without an `error`") from None
+            error = answer.pop("error")
             if exc.code >= 500:
                 raise HostUnavailable(error, exc.code) from None
-            raise HostRefused(exc.code, error, details) from None
+            raise HostRefused(exc.code, error, answer) from None
+        except http.client.RemoteDisconnected:  # closed without a word: not an answer
+            raise HostUnavailable(f"the host at {self.url} closed without answering") from None
         except (TimeoutError, urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise HostUnavailable(f"cannot reach the host at {self.url}: {reason}") from None
+        except http.client.HTTPException as exc:  # a status line that is not HTTP's
+            what = f"something that is not HTTP ({type(exc).__name__})"
+            raise BadAnswer(self.url, None, what) from None
+
+    def _json(self, response: Any) -> Any:
+        """The answer's JSON; BadAnswer for a body that is empty, cut short or not JSON."""
+        try:
+            raw = response.read()
+        except http.client.IncompleteRead as exc:
+            got = len(exc.partial)
+            size = f"{got} of {got + exc.expected}" if exc.expected else f"{got}"
+            raise BadAnswer(self.url, self.status, f"a body cut short ({size} bytes)") from None
+        except OSError as exc:  # a reset, a timeout, halfway through the body
+            raise HostUnavailable(
+                f"the host at {self.url} stopped while answering: {exc}", self.status
+            ) from None
+        if not raw:
+            raise BadAnswer(self.url, self.status, "an empty body")
+        try:
+            return json.loads(raw)
+        except ValueError:
+            what = _described(raw, response.headers.get("Content-Type", ""))
+            raise BadAnswer(self.url, self.status, what) from None
 
     def post_json(self, path: str, payload: dict[str, object] | None = None) -> tuple[int, Any]:
         body = b"" if payload is None else json.dumps(payload).encode()
@@ -95,17 +184,15 @@ def space_path(space: str, *rest: str) -> str:
     return "/".join(["/_polyserve/spaces", space, *rest])
 
 
-def _json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw) if raw else {}
-    except ValueError:  # not ours (a proxy's HTML page): show its start
-        return {"error": raw[:200].decode(errors="replace").strip()}
-
-
-def _error_of(answer: Any, status: int) -> tuple[str, dict[str, Any]]:
-    if isinstance(answer, dict) and isinstance(answer.get("error"), str):
-        return answer["error"], {k: v for k, v in answer.items() if k != "error"}
-    return f"HTTP {status}", {}
+def _described(raw: bytes, content_type: str) -> str:
+    """A body that is not JSON, in a few words: an HTML page by its title."""
+    text = raw[:4096].decode(errors="replace")
+    title = re.search(r"<title[^>]*>([^<]*)", text, re.IGNORECASE)
+    if title or "html" in content_type.lower():
+        name = " ".join((title.group(1) if title else "").split())
+        return f"an HTML page ({name!r})" if name else "an HTML page"
+    first = " ".join(text.split())[:60]
+    return f"{content_type.split(';')[0] or 'a body'} {first!r}"
 
 
 def _multipart(

@@ -32,6 +32,9 @@ MAX_FILE_BYTES = 64 << 10  # a requirements file is a list of names: this is gen
 MAX_REQUIREMENTS = 500
 ECHO_CHARS = 200
 DEFAULT_INDEX = "https://pypi.org/simple"  # uv's default index
+# What an installed set was checked for (polyserve/deps.py). Part of the cache key, so a
+# set cached before a check was added is installed, and checked, again.
+CHECKS = 2
 _HASH_OPTION = re.compile(r"\s+--hash(?:=|\s+)(\S+)")
 
 
@@ -53,6 +56,7 @@ class Requested:
                 settings.deps_offline,
                 python_tag(),
                 host_fingerprint(),
+                CHECKS,
             ]
         )
         return hashlib.sha256(text.encode()).hexdigest()
@@ -71,6 +75,17 @@ def host_packages() -> dict[str, importlib.metadata.Distribution]:
         if name:
             found.setdefault(canonicalize_name(name), dist)
     return found
+
+
+@functools.cache
+def host_modules() -> dict[str, str]:
+    """The host's top-level import names (numpy, starlette, …), each with the host
+    distribution that ships it: what no dependency of a space may ship again."""
+    return {
+        module: canonicalize_name(dists[0])
+        for module, dists in importlib.metadata.packages_distributions().items()
+        if module.isidentifier()
+    }
 
 
 @functools.cache

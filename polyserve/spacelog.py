@@ -7,13 +7,16 @@ so attribution holds with many spaces interleaved in one worker. Under the gunic
 master, `install` replaces sys.stdout and sys.stderr by streams that route a write by
 that variable (the host's own writes pass through unchanged) and adds a handler to the
 root logger; every record of a space is then written to its log (polyserve.logstore)
-and echoed to the host's log as ``[space owner/name v3 pid 1234] message``.
+as it was said, and echoed to the host's log as one line,
+``[space owner/name v3 pid 1234] message``, with line breaks and control characters
+escaped.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -32,6 +35,12 @@ MESSAGE_MAX = 8192  # characters of one record's message; longer ones lose their
 BURST_SECONDS = 10  # a space may log this many seconds' worth of its rate at once
 HOST = logging.getLogger("polyserve.space")  # the echo: gunicorn's error log in a worker
 _ECHO = "[space %s v%d pid %d] %s"
+# What may not reach the host's log as it is: C0 controls (line breaks, tab, ESC), DEL,
+# C1 controls (which some terminals read as ESC [) and Unicode's line and paragraph
+# separators. A record's echo is then one line that starts with its tag, however the
+# space words it: it cannot end a line early, forge the next one, or rewrite its own.
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 _busy = threading.local()  # set while a record is written: what that writes is the host's
 _capture: Capture | None = None
@@ -185,7 +194,7 @@ class Tag:
         if HOST.isEnabledFor(level):
             # makeRecord and handle: what HOST.log does, less its search of the stack for
             # a caller that would only ever be this line.
-            args = (self.space, self.version, pid, message)
+            args = (self.space, self.version, pid, escaped(message))
             HOST.handle(HOST.makeRecord(HOST.name, level, __file__, 0, _ECHO, args, None))
 
 
@@ -197,6 +206,22 @@ def _bounded(message: str) -> str:
     head, tail = MESSAGE_MAX // 4, MESSAGE_MAX * 3 // 4
     cut = len(message) - head - tail
     return f"{message[:head]} … [{cut} characters cut] … {message[-tail:]}"
+
+
+def escaped(message: str) -> str:
+    r"""The message as one line a reader recognizes: a line feed as the two characters
+    `\n` (and `\r`, `\t`), any other control as `\x1b`, `\x9b`, `\u2028`, … Backslashes
+    themselves stay as they are."""
+    if message.isprintable():  # most records: no control in them
+        return message
+    message = message.replace("\n", "\\n")  # a traceback's many, without a call each
+    return message if message.isprintable() else _CONTROLS.sub(_escape, message)
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char)
+    return _ESCAPES.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
 
 
 def tag(space: str, version: int, root: Path | None = None) -> Tag:

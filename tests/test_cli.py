@@ -16,6 +16,7 @@ import threading
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -168,7 +169,15 @@ def test_usage_errors_exit_2_and_send_nothing(args):
 # -- logs, against a loopback stand-in serving the endpoint's contract -------------------
 
 
-class LogsStandIn(http.server.ThreadingHTTPServer):
+class Loopback(http.server.ThreadingHTTPServer):
+    """A stand-in host on a free loopback port."""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class LogsStandIn(Loopback):
     """GET /_polyserve/spaces/{owner}/{name}/logs?since=N as the host serves it:
     {"records": [...], "next": cursor}, newest last. Tests append to `records`."""
 
@@ -176,10 +185,6 @@ class LogsStandIn(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _LogsHandler)
         self.records: list[dict] = []
         self.asked: list[str] = []
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
 
 
 class _LogsHandler(http.server.BaseHTTPRequestHandler):
@@ -207,9 +212,11 @@ class _LogsHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def logs_host() -> Iterator[LogsStandIn]:
-    server = LogsStandIn()
+S = TypeVar("S", bound=Loopback)
+
+
+def serving(server: S) -> Iterator[S]:
+    """A stand-in fixture's body: the server answering in a thread, then shut."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -217,6 +224,11 @@ def logs_host() -> Iterator[LogsStandIn]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def logs_host() -> Iterator[LogsStandIn]:
+    yield from serving(LogsStandIn())
 
 
 def record(seq: int, message: str, stream: str = "logging") -> dict:
@@ -401,3 +413,134 @@ def test_the_token_comes_from_the_option_or_the_variable(host_factory, tmp_path)
     ok(polyserve("deploy", str(hello), "--space", "t/s", "--token", ADMIN, url=host.url))
     ok(polyserve("deploy", str(hello), "--space", "t/s", url=host.url, POLYSERVE_TOKEN=ADMIN))
     assert "t/s" in ok(polyserve("list", url=host.url))  # reads need no token
+
+
+# -- answers that are not polyserve's, from a loopback stand-in ----------------------------
+
+
+class Garbler(Loopback):
+    """Answers every request with `answer`: (status, Content-Type, body, the
+    Content-Length it declares; None: the body's own). A declared length longer than the
+    body cuts the answer short: the server closes after what it has."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _GarblerHandler)
+        self.answer: tuple[int, str, bytes, int | None] = (200, "", b"", None)
+
+
+class _GarblerHandler(http.server.BaseHTTPRequestHandler):
+    server: Garbler
+
+    def do_GET(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        status, content_type, body, length = self.server.answer
+        self.send_response(status)
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body) if length is None else length))
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
+
+    do_POST = do_DELETE = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def garbler() -> Iterator[Garbler]:
+    yield from serving(Garbler())
+
+
+PROXY_PAGE = (
+    b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+    b"<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx</center>\r\n</body></html>"
+)
+GARBLED = {
+    "not JSON": ((200, "text/plain", b"hello, world", None), "text/plain 'hello, world'"),
+    "a proxy's HTML page": (
+        (502, "text/html", PROXY_PAGE, None),
+        "an HTML page ('502 Bad Gateway')",
+    ),
+    "an HTML 404 without a type": (
+        (404, "", b"<!DOCTYPE html><html><title>Not here</title></html>", None),
+        "an HTML page ('Not here')",
+    ),
+    "an empty body": ((200, "application/json", b"", None), "an empty body"),
+    "a truncated body": (
+        (200, "application/json", b'{"spaces": {"a/b": {', 100),
+        "a body cut short (20 of 100 bytes)",
+    ),
+    "truncated JSON": ((200, "application/json", b'{"spaces": {"a/b": {', None), '\'{"spaces"'),
+    "JSON not an object": ((200, "application/json", b"[1, 2]", None), "JSON list"),
+    "JSON without the field": ((200, "application/json", b'{"x": 1}', None), "'spaces'"),
+    "JSON with another type": (
+        (200, "application/json", b'{"spaces": [1]}', None),
+        "JSON of another shape (AttributeError",
+    ),
+    "an error without `error`": ((400, "application/json", b"[]", None), "without an `error`"),
+    "a 5xx without `error`": ((503, "application/json", b'{"e": 1}', None), "without an `error`"),
+}
+
+
+@pytest.mark.parametrize(("answer", "said"), GARBLED.values(), ids=GARBLED.keys())
+def test_an_answer_that_is_not_polyserves_exits_5_with_one_line_naming_host_and_status(
+    garbler, answer, said
+):
+    garbler.answer = answer
+    result = polyserve("list", url=garbler.url)
+    assert result.returncode == 5, (result.stdout, result.stderr)
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: the host at {garbler.url} answered HTTP {answer[0]} with ")
+    assert said in line and line.endswith(", not polyserve's JSON"), line
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "body"),
+    [
+        (["usage"], {"spaces": {}, "host": "busy"}),
+        (["history", "o/s"], {"versions": [{"current": True}], "history": []}),
+        (["logs", "o/s"], {"records": [], "next": "later"}),
+        (["rollback", "o/s"], {"space": "o/s"}),
+        (["deploy", "FILE", "--space", "o/s"], {"space": "o/s", "version": 1, "sha256": 7}),
+    ],
+)
+def test_every_command_reading_an_answer_of_another_shape_exits_5(garbler, tmp_path, args, body):
+    hello = tmp_path / "hello.py"
+    hello.write_text("def handle(request):\n    return 'hi'\n")
+    garbler.answer = (200, "application/json", json.dumps(body).encode(), None)
+    result = polyserve(*[str(hello) if a == "FILE" else a for a in args], url=garbler.url)
+    assert result.returncode == 5, (result.stdout, result.stderr)
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: the host at {garbler.url} answered HTTP 200 with JSON of")
+    assert "Traceback" not in result.stderr
+
+
+def test_a_proxys_413_to_a_deploy_says_the_upload_is_too_large(garbler, tmp_path):
+    hello = tmp_path / "hello.py"
+    hello.write_text("def handle(request):\n    return 'hi'\n")
+    page = b"<html><head><title>413 Request Entity Too Large</title></head></html>"
+    garbler.answer = (413, "text/html", page, None)
+    result = polyserve("deploy", str(hello), "--space", "o/s", url=garbler.url)
+    assert result.returncode == 1, result.stderr
+    assert f"error: the upload is too large for the host at {garbler.url}" in result.stderr
+    assert "names no limit" in result.stderr and "(HTTP 413)" in result.stderr
+    assert "  upload: " in result.stderr
+
+
+def test_an_oversize_upload_says_it_is_too_large_and_the_hosts_limit(host_factory, tmp_path):
+    """The host refuses it by its Content-Length before reading it and closes, so the
+    client's send fails halfway: the command still reads the 413 that came."""
+    host = host_factory(workers=1, POLYSERVE_MAX_UPLOAD_MB="1")
+    big = tmp_path / "big.py"
+    big.write_text("x = 1\n" + "#" * (20 << 20))
+    result = polyserve("deploy", str(big), "--space", "cli/big", url=host.url)
+    assert result.returncode == 1, result.stderr
+    assert "error: upload is larger than 1 MiB (POLYSERVE_MAX_UPLOAD_MB) (HTTP 413)" in (
+        result.stderr
+    )
+    assert "  upload: 20.0 MiB" in result.stderr
+    assert "cannot reach" not in result.stderr and "Traceback" not in result.stderr
+    assert host.get("/_polyserve/spaces").json()["spaces"] == {}

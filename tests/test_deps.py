@@ -321,6 +321,10 @@ BAD = [
     ("transitive-host-conflict", "polyserve-oldnumpy\n", V1, 422, f"host's numpy {NUMPY}"),
     ("sdist-build-fails", "polyserve-badbuild\n", V1, 422, "building a dependency"),
     ("pth-file", "polyserve-pth\n", V1, 422, ".pth"),
+    ("ships-starlette", "polyserve-shadow\n", V1, 422, "ships the module `starlette`"),
+    ("ships-numpy", "polyserve-numpy-module\n", V1, 422, "ships the module `numpy`"),
+    ("extra-conflict", "polyserve-extras[old]\n", V1, 422, "polyserve-extras[old] 1.0 asks"),
+    ("extra-of-a-dependency", "polyserve-wants-old\n", V1, 422, "polyserve-extras[old] 1.0"),
     ("broken-at-import", "polyserve-broken\n", "import polyserve_broken\n" + V1, 422, "Import"),
     ("editable", "-e .\n", V1, 422, "option -e"),
     ("index-url", "--index-url https://evil.example/simple\n", V1, 422, "option --index-url"),
@@ -348,6 +352,42 @@ def test_bad_dependencies_are_a_4xx_and_publish_nothing(
     assert not any((data / "staging").iterdir())
     assert not list((data / "deps").glob("tmp/*"))  # no half-installed set left
     assert str(data) not in r.text  # no host path in the answer
+
+
+SHADOWING = [
+    ("polyserve-shadow", "starlette"),  # a package directory
+    ("polyserve-numpy-module", "numpy"),  # a module file
+]
+
+
+@pytest.mark.parametrize(("dist", "module"), SHADOWING)
+def test_a_dependency_shipping_a_host_module_under_another_name_is_a_422(inproc, dist, module):
+    """The distribution is not one of the host's, so uv installs it; what it ships at the
+    top of the set would be the space's `import starlette`. The installed files decide."""
+    c, _ = inproc
+    main = f"import {module}\ndef handle(request):\n    return {{'forged': {module}.FORGED}}\n"
+    r = deploy(c, "o/s", {"main.py": main, "requirements.txt": f"{dist}\n"})
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert (body["package"], body["module"], body["host_package"]) == (dist, module, module)
+    assert f"{dist} 1.0 ships the module `{module}`" in body["error"]
+    assert c.get("/s/o/s/").text == "v1"
+
+
+def test_a_host_conflict_reached_through_an_extra_is_a_422(inproc):
+    """polyserve-extras asks for numpy<1 only in its extra `old`: without the extra it
+    installs; with it, asked by the space or by another dependency, it is refused."""
+    c, _ = inproc
+    fine = deploy(c, "o/fine", {"main.py": V1, "requirements.txt": "polyserve-extras\n"})
+    assert fine.status_code == 200, fine.text
+    assert fine.json()["dependencies"]["installed"] == ["polyserve-extras==1.0"]
+    for requirement in ("polyserve-extras[old]", "polyserve-wants-old"):
+        r = deploy(c, "o/s", {"main.py": V1, "requirements.txt": f"{requirement}\n"})
+        assert r.status_code == 422, r.text
+        body = r.json()
+        assert (body["package"], body["requested"], body["host_version"]) == ("numpy", "<1", NUMPY)
+        assert body["requested_by"] == "polyserve-extras[old] 1.0"
+    assert c.get("/s/o/s/").text == "v1"
 
 
 def test_a_set_over_the_size_limit_is_a_413(tmp_path):

@@ -117,3 +117,16 @@ def test_a_conflict_with_the_hosts_numpy_changes_nothing_on_a_real_host(deps_hos
     assert body["package"] == "numpy" and body["requested"] == "<1"
     assert body["host_version"] == importlib.metadata.version("numpy")
     assert deps_host.get("/s/deps/keep/").text == "v1"
+
+
+def test_a_dependency_shipping_its_own_starlette_is_refused_on_a_real_host(deps_host):
+    """polyserve-shadow's wheel carries a `starlette` package: had it been installed, the
+    space's `import starlette` would have been the forged one."""
+    deploy(deps_host, "deps/shadow", {"main.py": "def handle(r):\n    return 'v1'\n"})
+    main = "import starlette\ndef handle(request):\n    return {'forged': starlette.FORGED}\n"
+    files = {"main.py": main, "requirements.txt": "polyserve-shadow\n"}
+    r = deps_host.deploy("deps/shadow", make_tar(files), filename="space.tar")
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert (body["package"], body["module"]) == ("polyserve-shadow", "starlette")
+    assert deps_host.get("/s/deps/shadow/").text == "v1"

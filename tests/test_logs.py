@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -129,6 +130,41 @@ def test_two_spaces_at_once_log_print_and_raise_each_under_its_own_name(host):
             space
         )
     assert "ValueError: beta boom 19" in text
+
+
+FORGING_SPACE = r"""
+import logging, sys
+def handle(request):
+    print("a\n[polyserve] forged by print")
+    print("b\x1b[2K\r[polyserve] forged by ANSI")
+    logging.getLogger("t").warning("c\n[polyserve] forged by logging")
+    raise ValueError("d\n[polyserve] forged by an exception")
+"""
+
+
+def test_a_space_cannot_forge_lines_of_the_host_log(host):
+    """Each record it says is one line of the host's log, after its tag; the line breaks
+    and escapes in it are written as backslash sequences. Its own log keeps the text."""
+    deploy(host, "t/forge", FORGING_SPACE)
+    assert host.get("/s/t/forge/").status_code == 500
+
+    def logged() -> str:
+        text = host.log.read_text()
+        return text if "forged by an exception" in text else ""
+
+    text = until(logged, what="the exception's echo")
+    lines = [line for line in text.splitlines() if "forged" in line]
+    assert len(lines) == 4, lines  # one a record (print's line feed made two: "a" is one)
+    tag = r"\[space t/forge v1 pid \d+\] "
+    assert all(re.search(tag, line.split("forged")[0]) for line in lines), lines
+    assert not any(line.startswith("[polyserve]") for line in text.splitlines())
+    assert "\x1b" not in text and "\r" not in text
+    assert re.search(tag + r"b\\x1b\[2K\\r\[polyserve\] forged by ANSI$", text, re.M)
+    assert re.search(tag + r"c\\n\[polyserve\] forged by logging$", text, re.M)
+    assert re.search(tag + r"Exception in GET /s/t/forge/\\nTraceback .*\\nValueError: d\\n", text)
+    kept = [r["message"] for r in records(host, "t/forge")]
+    assert "b\x1b[2K\r[polyserve] forged by ANSI" in kept
+    assert "c\n[polyserve] forged by logging" in kept
 
 
 def test_since_tails_the_log(host):

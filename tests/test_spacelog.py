@@ -83,9 +83,10 @@ def test_what_the_host_writes_and_logs_passes_through_unchanged(store, capsys):
 
 
 def test_a_host_record_no_handler_takes_still_goes_to_the_last_resort(store, capsys, monkeypatch):
-    with capturing(store) as capture:
-        root = logging.getLogger()
-        monkeypatch.setattr(root, "handlers", [capture.handler])  # pytest's own are gone
+    # pytest's own handlers are gone while it runs; patched before install() adds its
+    # handler, so that restoring the list at teardown does not bring that handler back.
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    with capturing(store):
         logging.getLogger("some.library").warning("library warning")
         logging.getLogger("some.library").info("library info")  # below the last resort's level
         assert capsys.readouterr().err == "library warning\n"
@@ -100,6 +101,48 @@ def test_the_echo_to_the_host_log_names_space_version_and_pid(store, caplog):
         finally:
             CURRENT.reset(token)
         assert f"[space o/echo v3 pid {capture.pid}] hello from the space" in caplog.text
+
+
+FORGERIES = {
+    "a line feed": ("a\n[polyserve] forged", "a\\n[polyserve] forged"),
+    "a carriage return": ("b\r[polyserve] forged", "b\\r[polyserve] forged"),
+    "an ANSI escape": ("c\x1b[2K\x1b[1G[polyserve] forged", "c\\x1b[2K\\x1b[1G[polyserve] forged"),
+    "a C1 CSI": ("d\x9b2K[polyserve] forged", "d\\x9b2K[polyserve] forged"),
+    "other controls": ("e\x00\x07\x08\t\x0b\x0c\x7f", "e\\x00\\x07\\x08\\t\\x0b\\x0c\\x7f"),
+    "a Unicode line separator": ("f\u2028[polyserve] forged", "f\\u2028[polyserve] forged"),
+    "a backslash and non-ASCII": ("g C:\\tmp é ✓", "g C:\\tmp é ✓"),
+}
+
+
+@pytest.mark.parametrize(("said", "echoed"), FORGERIES.values(), ids=FORGERIES.keys())
+def test_the_echo_is_one_line_with_controls_escaped_and_the_log_keeps_the_text(
+    store, caplog, said, echoed
+):
+    with capturing(store) as capture:
+        tag = spacelog.tag("o/forge", 1)
+        token = CURRENT.set(tag)
+        try:
+            logging.getLogger("tenant").warning(said)
+        finally:
+            CURRENT.reset(token)
+        (record,) = [r for r in caplog.records if r.name == "polyserve.space"]
+        assert record.getMessage() == f"[space o/forge v1 pid {capture.pid}] {echoed}"
+        assert [r["message"] for r in records(store, "o/forge")] == [said]
+
+
+def test_an_exception_is_echoed_as_one_line(store, caplog, tmp_path):
+    with capturing(store):
+        tag = spacelog.tag("o/raise", 1)
+        try:
+            raise ValueError("boom\n[polyserve] forged")
+        except ValueError as exc:
+            tag.exception(exc, "a test")
+        (line,) = [r.getMessage() for r in caplog.records if r.name == "polyserve.space"]
+        assert "\n" not in line and line.startswith("[space o/raise v1 pid ")
+        assert "Exception in a test\\nTraceback (most recent call last):\\n" in line
+        assert line.endswith("ValueError: boom\\n[polyserve] forged")
+        (kept,) = records(store, "o/raise")
+        assert kept["message"].endswith("ValueError: boom\n[polyserve] forged")
 
 
 def test_lines_are_joined_across_writes_and_flush_ends_a_partial_one(store):

@@ -106,6 +106,31 @@ def wheelhouse(directory: Path) -> Path:
         "1.0",
         {"polyserve_pth.pth": "import os\n", "polyserve_pth_mod.py": ""},
     )
+    # Under names of their own, they ship a module the host imports: its starlette (a
+    # package), its numpy (a module file).
+    wheel(
+        directory,
+        "polyserve-shadow",
+        "1.0",
+        {"starlette/__init__.py": "FORGED = True\n", "polyserve_shadow.py": ""},
+    )
+    wheel(directory, "polyserve-numpy-module", "1.0", {"numpy.py": "FORGED = True\n"})
+    # Fine by itself; its extra `old` wants a numpy no host has, and so does the package
+    # that asks for that extra.
+    wheel(
+        directory,
+        "polyserve-extras",
+        "1.0",
+        {"polyserve_extras.py": ""},
+        ('numpy<1; extra == "old"',),
+    )
+    wheel(
+        directory,
+        "polyserve-wants-old",
+        "1.0",
+        {"polyserve_wants_old.py": ""},
+        ("polyserve-extras[old]",),
+    )
     # Breaks at import: validation must say so at deploy.
     wheel(directory, "polyserve-broken", "1.0", {"polyserve_broken.py": "raise ImportError('x')\n"})
     failing_sdist(directory)

@@ -9,6 +9,8 @@ from typing import Any
 # A host's uptime may run ahead of ours between two scrapes by scheduling jitter, never by
 # more than this: beyond it, the counters are from a new boot (a restart we missed).
 CLOCK_SLACK_S = 1.0
+# A host's counters are unsigned 8-byte words; a figure past them is not one of its own.
+COUNTER_LIMIT = 2**64
 
 
 @dataclass(frozen=True)
@@ -22,23 +24,38 @@ class Sample:
     at: float
 
     @classmethod
-    def parse(cls, answer: dict[str, Any], at: float) -> Sample:
-        """Raises KeyError/TypeError/ValueError on an answer that is not a host's usage."""
-        host = answer["host"]
+    def parse(cls, answer: object, at: float) -> Sample:
+        """Raises ValueError, saying what is wrong, on an answer that is not a host's usage."""
+        host = answer.get("host") if isinstance(answer, dict) else None
+        if not isinstance(host, dict):
+            raise ValueError("no `host` object")
         return cls(
-            float(host["uptime_s"]),
-            int(host["busy_ms"]),
-            int(host["workers"]),
-            int(host["in_flight"]),
+            _number(host, "uptime_s", float),
+            _number(host, "busy_ms", int),
+            _number(host, "workers", int),
+            _number(host, "in_flight", int),
             at,
         )
+
+
+def _number(host: dict[str, Any], key: str, kind: type[int] | type[float]) -> Any:
+    """One counter of a host's usage: a finite, non-negative number within the host's
+    8-byte words (an integer where the host writes one). Anything else (NaN, 1e400, a
+    string, a bool) is refused here: past this point it would raise in the arithmetic of
+    the whole interval, every pool's."""
+    value = host.get(key)
+    if isinstance(value, bool) or not isinstance(value, (kind, int)):
+        raise ValueError(f"{key} is {value!r:.40}, not a number")
+    if not 0 <= value < COUNTER_LIMIT:  # NaN fails every comparison
+        raise ValueError(f"{key} is {value!r:.40}, out of range")
+    return kind(value)
 
 
 @dataclass(frozen=True)
 class HostLoad:
     """One host's part of one interval. Only `ok` hosts count toward the ratio: a host
-    with no earlier sample, or a new boot, gives a baseline; an unanswered one is
-    unhealthy, which is not the same as idle."""
+    with no earlier sample, or a new boot, gives a baseline; an unanswered one (or one
+    whose answer is not a host's usage) is unhealthy, which is not the same as idle."""
 
     host_id: str
     status: str  # ok, new, restarted, unanswered

@@ -31,19 +31,19 @@ LEAVE_WAIT_S = 5.0  # after a graceful stop, for the host's last usage write and
 # autoscaler only reads it for hosts no provider of ours made.
 LIVE_S = 10.0
 
-Scrape = Callable[[str], dict[str, Any] | None]
+Scrape = Callable[[str], Any]
 
 
-def scrape_usage(url: str) -> dict[str, Any] | None:
-    """A host's usage, host section only; None if it did not answer with one."""
+def scrape_usage(url: str) -> Any:
+    """A host's usage, host section only, as the JSON it answered (`Sample.parse` judges
+    it); None if it did not answer with JSON."""
     try:
         with urllib.request.urlopen(
             f"{url}/_polyserve/usage?only=host", timeout=SCRAPE_TIMEOUT_S
         ) as answer:
-            body = json.loads(answer.read())
+            return json.loads(answer.read())
     except (OSError, ValueError):
         return None  # refused, timed out, an HTTP error (URLError is an OSError), not JSON
-    return body if isinstance(body, dict) else None
 
 
 @dataclass
@@ -158,8 +158,8 @@ class Scaler:
             if answer is not None:
                 try:
                     sample = Sample.parse(answer, self.clock())
-                except (KeyError, TypeError, ValueError):
-                    sample = None  # not a polyserve host's usage: unanswered
+                except ValueError as exc:  # not a host's usage: unhealthy, like a silent one
+                    log.warning("pool=%s host=%s bad usage: %s", state.pool.name, host_id, exc)
             return state.tracker.observe(host_id, sample)
 
         return {load.host_id: load for load in self._scrapers.map(one, urls.items())}
