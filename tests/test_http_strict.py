@@ -48,6 +48,11 @@ CASES: dict[str, bytes] = {
     "1000 header fields": GET + fields(999) + b"\r\n",
     "a header value over limit_request_field_size": GET + b"X-Big: " + b"v" * 9000 + b"\r\n\r\n",
     "a header name over limit_request_field_size": GET + b"X" * 9000 + b": v\r\n\r\n",
+    # gunicorn's 008: its limit counts the whole line, CRLF included (8191 bytes here)
+    "a header line one byte over limit_request_field_size": GET
+    + b"X-Big: "
+    + b"v" * 8182
+    + b"\r\n\r\n",
     # over several reads: llhttp hands the pieces to httptools, which joins them unseen
     "a 2 MiB header value": GET + b"X-Big: " + b"v" * (2 << 20) + b"\r\n\r\n",
     "a 2 MiB request target": b"GET /T?q=" + b"q" * (2 << 20) + b" HTTP/1.1\r\n" + H + b"\r\n",
@@ -96,6 +101,11 @@ CASES: dict[str, bytes] = {
     "two Host fields with one value": GET + b"Host: a\r\n\r\n",
     "Host and host": GET + b"host: b\r\n\r\n",
     "HTTP/1.1 without Host": b"GET /T HTTP/1.1\r\n\r\n",
+    # -- Content-Type, a singleton field: RFC 9110 5.3 (gunicorn's 041)
+    "two Content-Type fields": GET
+    + b"Content-Type: application/json\r\nContent-Type: text/html\r\n\r\n",
+    "Content-Type and content-type with one value": POST
+    + b"Content-Type: a/b\r\ncontent-type: a/b\r\nContent-Length: 0\r\n\r\n",
     # -- Content-Length: RFC 9110 8.6, RFC 9112 6.3
     "two Content-Lengths that differ": POST
     + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello!",
@@ -278,8 +288,21 @@ def test_never_reaches_a_space(space, request_):
         + b"v" * 8000
         + b"\r\n\r\n",
         b"GET /s/o/x/?" + b"q" * 4000 + b" HTTP/1.1\r\nHost: a\r\n\r\n",
+        # 8190 bytes with its CRLF: gunicorn's limit_request_field_size exactly
+        b"GET /s/o/x/ HTTP/1.1\r\nHost: a\r\nX-Big: " + b"v" * 8181 + b"\r\n\r\n",
+        b"POST /s/o/x/ HTTP/1.1\r\nHost: a\r\nContent-Type: a/b\r\nContent-Length: 0\r\n\r\n",
     ],
-    ids=["tab", "1.0", "options-star", "gzip-chunked", "trailer", "at-limits", "line"],
+    ids=[
+        "tab",
+        "1.0",
+        "options-star",
+        "gzip-chunked",
+        "trailer",
+        "at-limits",
+        "line",
+        "field-line-at-limit",
+        "one-content-type",
+    ],
 )
 def test_valid_requests_still_pass(space, request_):
     """Requests at the edge of what is allowed are served."""
@@ -327,6 +350,11 @@ def test_gunicorn_limit_settings_are_honoured(host_factory):
     )
     big = GET.replace(b"/T", b"/") + b"X-Big: " + b"v" * 300 + b"\r\n\r\n"
     assert exchange(tight, big).startswith(b"HTTP/1.1 431 ")
+    # A field's line with its CRLF, as gunicorn counts it: 300 bytes pass, 301 do not.
+    at_limit = GET.replace(b"/T", b"/_polyserve/health") + b"X-B: " + b"v" * 293 + b"\r\n\r\n"
+    assert exchange(tight, at_limit).startswith(b"HTTP/1.1 200 ")
+    over = at_limit.replace(b"X-B: ", b"X-B: v")
+    assert exchange(tight, over).startswith(b"HTTP/1.1 431 ")
     ok = GET.replace(b"/T", b"/_polyserve/health") + fields(3) + b"X-B: " + b"v" * 200 + b"\r\n\r\n"
     assert exchange(tight, ok).startswith(b"HTTP/1.1 200 ")
 
