@@ -5,10 +5,11 @@ llhttp (under httptools) is strict by default, and uvicorn loosens only
 characters in values, bare CR/LF and NUL, obs-fold, duplicated Content-Length,
 Content-Length with Transfer-Encoding, Transfer-Encoding without `chunked` last, bad chunk
 framing and methods it does not know (tests/test_http_strict.py sends each). What it lets
-through is refused here, in the parser callbacks uvicorn's protocol already has, so that no
-callback or call is added and a plain GET pays for a few comparisons only (data_received
-and on_headers_complete are uvicorn's own, copied with the checks between their lines;
-tests/test_http_strict.py fails when uvicorn changes them):
+through is refused here, in the parser callbacks uvicorn's protocol already has (and
+on_chunk_header, which only a chunked body calls), so that a plain GET pays for a few
+comparisons only and no call (data_received and on_headers_complete are uvicorn's own,
+copied with the checks between their lines; tests/test_http_strict.py fails when uvicorn
+changes them):
 
 - gunicorn's `limit_request_line` (414), `limit_request_fields` and
   `limit_request_field_size` (431: a field's whole line, CRLF included, as gunicorn
@@ -25,7 +26,10 @@ tests/test_http_strict.py fails when uvicorn changes them):
 
 When llhttp refuses a body in the read that carried its head (a bad chunk size, a missing
 CRLF, a forbidden trailer), the request's task has been created but has not run: it is
-cancelled before its first step, so the request never reaches a space.
+cancelled before its first step, so the request never reaches a space. A chunked body
+that has got no further than a chunk header when its task starts (the last chunk read,
+its trailer section and final CRLF not yet) is held at the door until it does
+(polyserve.cycle), and a connection that ends there is answered gunicorn's 400.
 """
 
 from __future__ import annotations
@@ -372,6 +376,26 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
         trailers = self.trailers
         trailers.seen = 0
         self.headers = trailers
+
+    def on_chunk_header(self) -> None:
+        # Each chunk header of a chunked body marks where the body stood; while it stands
+        # there, the request's task does not call the app (Cycle.run_asgi). Only chunked
+        # bodies call this: httptools looks the callback up once, at the parser's start.
+        cycle: Cycle = self.cycle  # type: ignore[assignment]
+        cycle.chunk_mark = len(cycle.body) + 1
+
+    def eof_received(self) -> None:
+        # The client has stopped sending (a half-close, or the start of a close): a
+        # chunked body that got no further than a chunk header is cut short, which
+        # gunicorn answers 400 (ChunkMissingTerminator). A request held at the door for it
+        # never reaches a space. uvicorn's transport closes the connection afterwards.
+        cycle: Cycle | None = self.cycle  # type: ignore[assignment]
+        if cycle is not None and cycle.more_body and cycle.chunk_mark == len(cycle.body) + 1:
+            self.refuse(
+                400,
+                "the connection ended inside the chunked body: send its last chunk (0) and"
+                " the CRLF that ends its trailer section (RFC 9112 7.1)",
+            )
 
     def on_body(self, body: bytes) -> None:
         # uvicorn's on_body (tests/test_http_strict.py checks that it still is), a body
