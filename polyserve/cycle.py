@@ -15,12 +15,19 @@ What a client may see differently: a response started and then abandoned (the ap
 or was cancelled, before its body) now closes the connection without a byte of it, where
 uvicorn sent the head and then closed. Either way the response is broken, and now the
 client is never told a status that the response then fails to deliver.
+
+A request's task also waits before it calls the app while the request's chunked body has
+got no further than a chunk header (the read that carried the head ended there, often
+after the last chunk, its trailer section and CRLF still to come): a body byte or the
+message's end lets it through, and a connection that ends first, or trailers refused,
+keep it from the app. Streaming is unchanged: a chunk's first bytes let the app in.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from uvicorn._types import ASGI3Application
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
@@ -40,6 +47,56 @@ class Cycle(RequestResponseCycle):
 
     # The head held back until the body (a class attribute: no per-request __init__).
     head: bytes | None = None
+    # The body's length plus one when the protocol parsed this request's latest chunk
+    # header (polyserve.strict's on_chunk_header); 0 until it does. While the length is
+    # unchanged the body has got no further than that header.
+    chunk_mark = 0
+
+    async def run_asgi(self, app: ASGI3Application) -> None:
+        # uvicorn's run_asgi (tests/test_cycle.py checks that it still is), after a wait
+        # at the door for a request whose chunked body stands at a chunk header. A GET's
+        # body has ended by now: `more_body`, an instance attribute, is the cheaper test.
+        if self.more_body and self.chunk_mark and not await self.past_chunk_header():
+            return
+        try:
+            result = await app(  # type: ignore[func-returns-value]
+                self.scope, self.receive, self.send
+            )
+        except BaseException as exc:
+            msg = "Exception in ASGI application\n"
+            self.logger.error(msg, exc_info=exc)
+            if not self.response_started:
+                await self.send_500_response()
+            else:
+                self.transport.close()
+        else:
+            if result is not None:
+                msg = "ASGI callable should return None, but returned '%s'."
+                self.logger.error(msg, result)
+                self.transport.close()
+            elif not self.response_started and not self.disconnected:
+                msg = "ASGI callable returned without starting response."
+                self.logger.error(msg)
+                await self.send_500_response()
+            elif not self.response_complete and not self.disconnected:
+                msg = "ASGI callable returned without completing response."
+                self.logger.error(msg)
+                self.transport.close()
+        finally:
+            self.on_response = lambda: None
+
+    async def past_chunk_header(self) -> bool:
+        """Wait while the body stands at its latest chunk header: True once a body byte
+        or the message's end has come, False if the connection ends first."""
+        while self.more_body and self.chunk_mark == len(self.body) + 1:
+            if self.disconnected:
+                return False
+            # A large body before the header may have paused reading; receive() resumes
+            # it, and the app is not receiving yet.
+            self.flow.resume_reading()
+            self.message_event.clear()
+            await self.message_event.wait()
+        return not self.disconnected
 
     async def send(self, message: Any) -> None:
         # uvicorn's send (tests/test_cycle.py checks that it still is), holding back the head

@@ -5,25 +5,31 @@ llhttp (under httptools) is strict by default, and uvicorn loosens only
 characters in values, bare CR/LF and NUL, obs-fold, duplicated Content-Length,
 Content-Length with Transfer-Encoding, Transfer-Encoding without `chunked` last, bad chunk
 framing and methods it does not know (tests/test_http_strict.py sends each). What it lets
-through is refused here, in the parser callbacks uvicorn's protocol already has, so that no
-callback or call is added and a plain GET pays for a few comparisons only (data_received
-and on_headers_complete are uvicorn's own, copied with the checks between their lines;
-tests/test_http_strict.py fails when uvicorn changes them):
+through is refused here, in the parser callbacks uvicorn's protocol already has (and
+on_chunk_header, which only a chunked body calls), so that a plain GET pays for a few
+comparisons only and no call (data_received and on_headers_complete are uvicorn's own,
+copied with the checks between their lines; tests/test_http_strict.py fails when uvicorn
+changes them):
 
 - gunicorn's `limit_request_line` (414), `limit_request_fields` and
-  `limit_request_field_size` (431), which uvicorn's worker ignores, trailer fields
-  included, and a bound on the bytes a connection may send without the parser getting
-  anywhere (a head or a trailer section still incomplete, chunk framing): httptools
-  joins the pieces of a field with `+=` and calls back only once it ends;
+  `limit_request_field_size` (431: a field's whole line, CRLF included, as gunicorn
+  counts it), which uvicorn's worker ignores, trailer fields included, and a bound on the
+  bytes a connection may send without the parser getting anywhere (a head or a trailer
+  section still incomplete, chunk framing): httptools joins the pieces of a field with
+  `+=` and calls back only once it ends;
 - `Content_Length` / `Transfer_Encoding` (proxies may read them as the real ones), a
-  duplicated `Host`, an HTTP/1.1 request without one, Transfer-Encoding on HTTP/1.0;
+  duplicated `Host` or `Content-Type` (gunicorn's singleton fields), an HTTP/1.1 request
+  without Host, Transfer-Encoding on HTTP/1.0;
 - versions other than 1.0 and 1.1, and `*` as the target of a method other than OPTIONS;
 - trailer fields that may not be trailers (RFC 9110 6.5.1); the others are dropped, never
   merged into the header list the application already holds.
 
 When llhttp refuses a body in the read that carried its head (a bad chunk size, a missing
 CRLF, a forbidden trailer), the request's task has been created but has not run: it is
-cancelled before its first step, so the request never reaches a space.
+cancelled before its first step, so the request never reaches a space. A chunked body
+that has got no further than a chunk header when its task starts (the last chunk read,
+its trailer section and final CRLF not yet) is held at the door until it does
+(polyserve.cycle), and a connection that ends there is answered gunicorn's 400.
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ MAX_HEADERS = 32768
 DEFAULT_MAX_HEADERFIELD_SIZE = 8190
 
 # Lower-cased names (but Host) on_header looks at twice: one set lookup for the others.
-WATCHED = frozenset({b"transfer-encoding", b"expect", b"content_length", b"transfer_encoding"})
+WATCHED = frozenset(
+    {b"content-type", b"transfer-encoding", b"expect", b"content_length", b"transfer_encoding"}
+)
 
 # RFC 9110 6.5.1: framing, routing, request modifiers, authentication, content format.
 NOT_IN_TRAILERS = frozenset(
@@ -142,7 +150,7 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
     # instance's attributes no longer share their class's keys (CPython's
     # SHARED_KEYS_MAX_SIZE), which made every attribute read of uvicorn's own code slower:
     # about 3 µs of the first version's 5 per request (bench/NOTES.md).
-    __slots__ = ("head_bytes", "host_of", "trailers")
+    __slots__ = ("head_bytes", "host_of", "trailers", "type_of")
 
     max_line: ClassVar[int] = 4094
     max_fields: ClassVar[int] = 100
@@ -153,9 +161,11 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         # Per-request state without a per-request reset: uvicorn's on_message_begin gives
         # each request a new `self.headers` list, so "this request has a Host" is
-        # `self.host_of is self.headers`, and "its head is complete" is
-        # `self.headers is self.trailers` (on_headers_complete sets it).
+        # `self.host_of is self.headers` (and likewise `type_of` for Content-Type), and
+        # "its head is complete" is `self.headers is self.trailers` (on_headers_complete
+        # sets it).
         self.host_of: object = None
+        self.type_of: object = None
         self.trailers = Trailers()
         # Bytes of the reads since the last one in which the parser got somewhere: a
         # message ended, a head complete, a body byte (the callbacks reset it). So it
@@ -250,14 +260,17 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         headers = self.headers
-        if len(headers) >= self.max_fields or len(name) + len(value) + 2 > self.max_field_size:
+        # gunicorn measures a field's whole line with its CRLF: name, colon, the whitespace
+        # after it (httptools drops it: counted as the one space clients send), the value
+        # (trailing whitespace included, as httptools keeps it) and CRLF.
+        if len(headers) >= self.max_fields or len(name) + len(value) + 4 > self.max_field_size:
             if len(headers) >= self.max_fields:
                 raise Refused(
                     431, f"more than {self.max_fields} header fields (limit_request_fields)"
                 )
             raise Refused(
                 431,
-                f"a header field longer than {self.max_field_size} bytes"
+                f"a header field line longer than {self.max_field_size} bytes with its CRLF"
                 " (limit_request_field_size)",
             )
         if name == b"host":  # in every request: checked here, not in a call
@@ -270,7 +283,13 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
 
     def watched(self, name: bytes, value: bytes) -> None:
         """The checks of the few other names on_header watches (and uvicorn's Expect)."""
-        if name == b"transfer-encoding":
+        if name == b"content-type":
+            # RFC 9110 5.3: a singleton field; two leave the request open to two readings.
+            # gunicorn refuses a second Host or Content-Type (Content-Length: llhttp).
+            if self.type_of is self.headers:
+                raise Refused(400, "more than one Content-Type field: send one")
+            self.type_of = self.headers
+        elif name == b"transfer-encoding":
             # RFC 9112 6.1: an HTTP/1.0 recipient would read the body another way.
             if self.parser.get_http_version() == "1.0":
                 raise Refused(
@@ -357,6 +376,26 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
         trailers = self.trailers
         trailers.seen = 0
         self.headers = trailers
+
+    def on_chunk_header(self) -> None:
+        # Each chunk header of a chunked body marks where the body stood; while it stands
+        # there, the request's task does not call the app (Cycle.run_asgi). Only chunked
+        # bodies call this: httptools looks the callback up once, at the parser's start.
+        cycle: Cycle = self.cycle  # type: ignore[assignment]
+        cycle.chunk_mark = len(cycle.body) + 1
+
+    def eof_received(self) -> None:
+        # The client has stopped sending (a half-close, or the start of a close): a
+        # chunked body that got no further than a chunk header is cut short, which
+        # gunicorn answers 400 (ChunkMissingTerminator). A request held at the door for it
+        # never reaches a space. uvicorn's transport closes the connection afterwards.
+        cycle: Cycle | None = self.cycle  # type: ignore[assignment]
+        if cycle is not None and cycle.more_body and cycle.chunk_mark == len(cycle.body) + 1:
+            self.refuse(
+                400,
+                "the connection ended inside the chunked body: send its last chunk (0) and"
+                " the CRLF that ends its trailer section (RFC 9112 7.1)",
+            )
 
     def on_body(self, body: bytes) -> None:
         # uvicorn's on_body (tests/test_http_strict.py checks that it still is), a body

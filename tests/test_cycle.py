@@ -17,6 +17,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from uvicorn.server import ServerState
 
 from polyserve import strict
+from polyserve.cycle import Cycle
 
 App = Callable[[Any, Any, Any], Awaitable[None]]
 GET = b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"
@@ -356,4 +357,17 @@ def test_upstream_send_is_what_cycle_py_copied():
     assert ast.dump(ast.parse(upstream)) == ast.dump(ast.parse(UPSTREAM_SEND)), (
         "uvicorn's RequestResponseCycle.send changed: bring polyserve/cycle.py's copy in"
         f" step, then its text here. It is now:\n{upstream}"
+    )
+
+
+def test_upstream_run_asgi_is_what_cycle_py_copied():
+    """polyserve/cycle.py's run_asgi is uvicorn's RequestResponseCycle.run_asgi but for its
+    first statement (the wait at the door)."""
+    upstream = textwrap.dedent(inspect.getsource(RequestResponseCycle.run_asgi))
+    ours = ast.parse(textwrap.dedent(inspect.getsource(Cycle.run_asgi))).body[0]
+    assert isinstance(ours, ast.AsyncFunctionDef) and isinstance(ours.body[0], ast.If)
+    ours.body = ours.body[1:]
+    assert ast.dump(ours) == ast.dump(ast.parse(upstream).body[0]), (
+        "uvicorn's RequestResponseCycle.run_asgi changed: bring polyserve/cycle.py's copy in"
+        f" step. It is now:\n{upstream}"
     )

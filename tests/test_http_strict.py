@@ -17,6 +17,7 @@ import re
 import socket
 import struct
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,11 @@ CASES: dict[str, bytes] = {
     "1000 header fields": GET + fields(999) + b"\r\n",
     "a header value over limit_request_field_size": GET + b"X-Big: " + b"v" * 9000 + b"\r\n\r\n",
     "a header name over limit_request_field_size": GET + b"X" * 9000 + b": v\r\n\r\n",
+    # gunicorn's 008: its limit counts the whole line, CRLF included (8191 bytes here)
+    "a header line one byte over limit_request_field_size": GET
+    + b"X-Big: "
+    + b"v" * 8182
+    + b"\r\n\r\n",
     # over several reads: llhttp hands the pieces to httptools, which joins them unseen
     "a 2 MiB header value": GET + b"X-Big: " + b"v" * (2 << 20) + b"\r\n\r\n",
     "a 2 MiB request target": b"GET /T?q=" + b"q" * (2 << 20) + b" HTTP/1.1\r\n" + H + b"\r\n",
@@ -96,6 +102,11 @@ CASES: dict[str, bytes] = {
     "two Host fields with one value": GET + b"Host: a\r\n\r\n",
     "Host and host": GET + b"host: b\r\n\r\n",
     "HTTP/1.1 without Host": b"GET /T HTTP/1.1\r\n\r\n",
+    # -- Content-Type, a singleton field: RFC 9110 5.3 (gunicorn's 041)
+    "two Content-Type fields": GET
+    + b"Content-Type: application/json\r\nContent-Type: text/html\r\n\r\n",
+    "Content-Type and content-type with one value": POST
+    + b"Content-Type: a/b\r\ncontent-type: a/b\r\nContent-Length: 0\r\n\r\n",
     # -- Content-Length: RFC 9110 8.6, RFC 9112 6.3
     "two Content-Lengths that differ": POST
     + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello!",
@@ -278,8 +289,21 @@ def test_never_reaches_a_space(space, request_):
         + b"v" * 8000
         + b"\r\n\r\n",
         b"GET /s/o/x/?" + b"q" * 4000 + b" HTTP/1.1\r\nHost: a\r\n\r\n",
+        # 8190 bytes with its CRLF: gunicorn's limit_request_field_size exactly
+        b"GET /s/o/x/ HTTP/1.1\r\nHost: a\r\nX-Big: " + b"v" * 8181 + b"\r\n\r\n",
+        b"POST /s/o/x/ HTTP/1.1\r\nHost: a\r\nContent-Type: a/b\r\nContent-Length: 0\r\n\r\n",
     ],
-    ids=["tab", "1.0", "options-star", "gzip-chunked", "trailer", "at-limits", "line"],
+    ids=[
+        "tab",
+        "1.0",
+        "options-star",
+        "gzip-chunked",
+        "trailer",
+        "at-limits",
+        "line",
+        "field-line-at-limit",
+        "one-content-type",
+    ],
 )
 def test_valid_requests_still_pass(space, request_):
     """Requests at the edge of what is allowed are served."""
@@ -327,6 +351,11 @@ def test_gunicorn_limit_settings_are_honoured(host_factory):
     )
     big = GET.replace(b"/T", b"/") + b"X-Big: " + b"v" * 300 + b"\r\n\r\n"
     assert exchange(tight, big).startswith(b"HTTP/1.1 431 ")
+    # A field's line with its CRLF, as gunicorn counts it: 300 bytes pass, 301 do not.
+    at_limit = GET.replace(b"/T", b"/_polyserve/health") + b"X-B: " + b"v" * 293 + b"\r\n\r\n"
+    assert exchange(tight, at_limit).startswith(b"HTTP/1.1 200 ")
+    over = at_limit.replace(b"X-B: ", b"X-B: v")
+    assert exchange(tight, over).startswith(b"HTTP/1.1 431 ")
     ok = GET.replace(b"/T", b"/_polyserve/health") + fields(3) + b"X-B: " + b"v" * 200 + b"\r\n\r\n"
     assert exchange(tight, ok).startswith(b"HTTP/1.1 200 ")
 
@@ -348,7 +377,8 @@ def memory_kb(pid: int) -> int:
 
 def test_a_trailer_field_that_never_ends_is_refused(reader):
     """A chunked body's last trailer field, streamed without an end, is refused within a
-    head's budget: the worker does not hold what was sent and serves the next request."""
+    head's budget: the worker does not hold what was sent, the request never reaches the
+    space, and the worker serves the next request."""
     (pid,) = reader.worker_pids()
     assert reader.get("/s/o/reader/").json() == {"n": 0}
     before, peak = counters(reader, READER), memory_kb(pid)
@@ -364,13 +394,72 @@ def test_a_trailer_field_that_never_ends_is_refused(reader):
     assert grown < (32 << 10) // 4, f"the worker's peak memory grew by {grown} kB"
     assert sent < 32 << 20, "the worker read all 32 MiB without refusing"
     assert_refused(answer)
-    # Its head was read long before: it reached the space as a client disconnect while
-    # the space read its body, metered as a request that failed (README, "Limits and
-    # bad input").
-    after = counters(reader, READER)
-    assert (after["requests"], after["errors"]) == (before["requests"] + 1, before["errors"] + 1)
+    # Its last chunk came in the read that carried its head: held at the door until the
+    # trailer section ends (polyserve/cycle.py), it never reached the space.
+    assert counters(reader, READER) == before
     assert reader.worker_pids() == {pid}
     assert reader.get("/s/o/reader/").json() == {"n": 0}
+
+
+# gunicorn's rfc9112_chunked_missing_final_crlf_01, and the same end after a chunk's data
+# and after a trailer field: what follows a chunked head, then the client stops sending.
+CUT_SHORT = {
+    "the last chunk": b"0\r\n",
+    "data and the last chunk": b"5\r\nhello\r\n0\r\n",
+    "a trailer field": b"5\r\nhello\r\n0\r\nX-Checksum: 1\r\n",
+}
+
+
+@pytest.mark.parametrize("space_", [SPACE, READER], ids=["answers-at-once", "reads-the-body"])
+@pytest.mark.parametrize("rest", CUT_SHORT.values(), ids=CUT_SHORT.keys())
+def test_a_chunked_body_without_its_final_crlf_never_reaches_a_space(reader, space_, rest):
+    """A chunked body whose client stops sending before the CRLF that ends it is answered
+    400, as gunicorn answers ChunkMissingTerminator, and moves none of the space's
+    counters: neither a space that answers without the body nor one that reads it."""
+    before = counters(reader, space_)
+    with socket.create_connection(("127.0.0.1", reader.port), timeout=30) as s:
+        s.sendall(CHUNKED.replace(b"/T", f"/s/{space_}/".encode()) + rest)
+        s.shutdown(socket.SHUT_WR)  # the end of what the client sends, as in the fixture
+        answer = read_to_close(s)
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]
+    assert_refused(answer)
+    assert b"chunked body" in answer
+    assert counters(reader, space_) == before
+    assert reader.get(f"/s/{space_}/").status_code == 200
+
+
+def test_a_chunked_upload_still_reaches_the_space_before_its_end(space):
+    """A chunked body is streamed to the space, not held until it ends: a space that
+    answers after its first chunk answers while the rest is still to be sent."""
+    first = b"async def handle(request):\n    async for chunk in request.stream():\n"
+    first += b"        return {'first': len(chunk)}\n"
+    assert space.deploy("o/first", first).status_code == 200
+    before = counters(space, "o/first")
+    with socket.create_connection(("127.0.0.1", space.port), timeout=30) as s:
+        s.sendall(CHUNKED.replace(b"/T", b"/s/o/first/") + b"5\r\nhello\r\n")
+        answer = read_answer(s)
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"first":5}'), answer
+        s.sendall(b"0\r\n\r\n")
+    assert counters(space, "o/first")["requests"] == before["requests"] + 1
+
+
+def test_a_large_chunked_upload_is_read_whole(reader):
+    """A chunked upload of 8 MiB, each chunk's size line written apart from its data, is
+    read whole by a space that reads the body: a read that ends at a chunk header holds
+    the request only until the data comes."""
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(128):
+            yield b"%x\r\n" % (64 << 10)  # the size line alone: the read may end after it
+            yield b"b" * (64 << 10) + b"\r\n"
+        yield b"0\r\n\r\n"
+
+    with socket.create_connection(("127.0.0.1", reader.port), timeout=30) as s:
+        s.sendall(CHUNKED.replace(b"/T", b"/s/o/reader/"))
+        for piece in chunks():
+            s.sendall(piece)
+        answer = read_answer(s)
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"n":8388608}'), answer
 
 
 def test_many_small_trailer_fields_over_several_reads_are_refused(reader):
@@ -553,13 +642,19 @@ def test_strict_protocol_adds_no_instance_attribute():
     assert ours == plain
 
 
-async def _scope_of(request: bytes) -> dict[str, Any]:
-    config = Config(app=_ok, lifespan="off", log_level="warning")
+def _strict(app: Any, transport: asyncio.Transport) -> Any:
+    """polyserve's protocol at gunicorn's default limits, serving `app` on `transport`."""
+    config = Config(app=app, lifespan="off", log_level="critical")
     config.load()
     protocol = strict.protocol(GunicornConfig())(
         config=config, server_state=ServerState(), app_state={}
     )
-    protocol.connection_made(_Transport())
+    protocol.connection_made(transport)
+    return protocol
+
+
+async def _scope_of(request: bytes) -> dict[str, Any]:
+    protocol = _strict(_ok, _Transport())
     protocol.data_received(request)
     await asyncio.sleep(0)
     assert protocol.cycle.response_complete
@@ -591,16 +686,13 @@ class _Recording(_Transport):
 
 
 async def _refused_after_the_answer() -> _Recording:
-    config = Config(app=_ok, lifespan="off", log_level="critical")
-    config.load()
-    protocol = strict.protocol(GunicornConfig())(
-        config=config, server_state=ServerState(), app_state={}
-    )
     transport = _Recording()
-    protocol.connection_made(transport)
-    protocol.data_received(CHUNKED.replace(b"/T", b"/") + b"5\r\nhello\r\n0\r\nX-Foo: ")
+    protocol = _strict(_ok, transport)
+    # A chunk's data lets the request in to the app, which answers at once.
+    protocol.data_received(CHUNKED.replace(b"/T", b"/") + b"5\r\nhello\r\n")
     await asyncio.sleep(0)
     assert protocol.cycle.response_complete and b" 200 " in transport.written
+    protocol.data_received(b"0\r\nX-Foo: ")
     for _ in range(20):  # a trailer field without an end, 1.3 MB: past the budget
         if not transport.closed:
             protocol.data_received(b"v" * 65536)
@@ -613,3 +705,80 @@ def test_a_refusal_after_the_answer_only_closes():
     transport = asyncio.run(_refused_after_the_answer())
     assert transport.closed
     assert transport.written.count(b"HTTP/1.1 ") == 1, transport.written
+
+
+async def _what_the_app_saw(parts: list[bytes], end: str = "") -> tuple[list[Any], _Recording]:
+    """Feed `parts` to one connection, the loop run after each, then end it ("eof": the
+    client stops sending, "lost": the connection is gone): what the app saw after each
+    part ("called", then what it received; None: not called yet), and the transport."""
+    messages: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        messages.append("called")
+        while True:
+            messages.append(message := await receive())
+            if message["type"] == "http.disconnect" or not message["more_body"]:
+                break
+        await _ok(scope, receive, send)
+
+    transport = _Recording()
+    protocol = _strict(app, transport)
+    seen: list[Any] = []
+    for part in parts:
+        protocol.data_received(part)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        seen.append(list(messages) or None)
+    if end == "eof":
+        protocol.eof_received()
+    if end:
+        protocol.connection_lost(None)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not protocol.tasks, "the request's task is still running"
+        seen.append(list(messages) or None)
+    return seen, transport
+
+
+def _body(data: bytes, more: bool) -> dict[str, Any]:
+    return {"type": "http.request", "body": data, "more_body": more}
+
+
+def test_a_chunk_header_holds_the_request_until_its_data():
+    """A read that ends at a chunk header leaves the app uncalled; the chunk's first
+    bytes let it in, and it streams the body as before."""
+    seen, _ = asyncio.run(
+        _what_the_app_saw([CHUNKED.replace(b"/T", b"/") + b"5\r\n", b"hel", b"lo\r\n0\r\n\r\n"])
+    )
+    assert seen == [
+        None,
+        ["called", _body(b"hel", True)],
+        ["called", _body(b"hel", True), _body(b"lo", False)],
+    ]
+
+
+def test_the_last_chunk_holds_the_request_until_its_trailers_end():
+    """After the last chunk the app is not called until the trailer section's CRLF: it
+    then gets the whole body at once."""
+    seen, _ = asyncio.run(
+        _what_the_app_saw(
+            [CHUNKED.replace(b"/T", b"/") + b"5\r\nhello\r\n0\r\n", b"X-A: b\r\n", b"\r\n"]
+        )
+    )
+    assert seen == [None, None, ["called", _body(b"hello", False)]]
+
+
+@pytest.mark.parametrize("end", ["eof", "lost"])
+def test_a_held_request_whose_connection_ends_never_reaches_the_app(end):
+    """A request held after its last chunk never reaches the app when the connection
+    ends; a client that only stopped sending is answered 400, as gunicorn answers."""
+    seen, transport = asyncio.run(
+        _what_the_app_saw([CHUNKED.replace(b"/T", b"/") + b"5\r\nhello\r\n0\r\n"], end)
+    )
+    assert seen == [None, None]
+    assert transport.closed
+    if end == "eof":
+        assert transport.written.startswith(b"HTTP/1.1 400 "), transport.written
+        assert b"chunked body" in transport.written
+    else:
+        assert transport.written == b""
