@@ -90,8 +90,8 @@ async def running_host(
         from polyserve.fleet.client import FleetClient
         from polyserve.fleet.pools import PoolRouter
 
-        fleet = FleetClient(s, store, threads)
-        pools = PoolRouter(fleet.db, s.fleet_live_s, s.pool_retry_after_s, threads)
+        fleet = FleetClient(s, store)  # its database calls on threads of its own
+        pools = PoolRouter(fleet.db, s.fleet_live_s, s.pool_retry_after_s, fleet.threads)
     registry = Registry(
         store,
         broadcast,

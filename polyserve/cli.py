@@ -3,8 +3,9 @@
 Exit codes, for scripts: 0 done; 1 the host refused (a 4xx: its error is printed); 2 a
 usage error (bad arguments, a directory that cannot be packed, a declined
 confirmation); 3 the host is unreachable or failed (a 5xx); 4 a fleet committed the
-change but some live hosts have not applied it yet (a 202: they are named); 5 the answer
-is not a polyserve host's (not JSON, another shape, empty, cut short: a proxy's page).
+change but some live hosts have not applied it yet, or could not be read (a 202: they
+are named, or the answer says why they are unknown); 5 the answer is not a polyserve
+host's (not JSON, another shape, empty, cut short: a proxy's page).
 """
 
 from __future__ import annotations
@@ -282,16 +283,22 @@ def _hosts(body: dict[str, Any]) -> str:
     hosts = body.get("hosts")
     if not isinstance(hosts, dict):
         return ""
+    if hosts.get("unknown"):
+        return "; which hosts applied it is unknown"
     return f"; applied on {hosts.get('applied')} of {hosts.get('live')} live hosts"
 
 
 def _lagging(status: int, body: dict[str, Any]) -> None:
+    """A 202: committed, not yet confirmed everywhere. Not a failure (running the
+    command again would make the change twice), so not exit 3: exit 4, and why."""
     if status == 202:
-        lagging = ", ".join(body.get("hosts", {}).get("lagging", []))
-        click.echo(
-            f"warning: committed, but these live hosts have not applied it yet: {lagging}",
-            err=True,
-        )
+        hosts = body.get("hosts", {})
+        if hosts.get("unknown"):
+            warning = hosts.get("error") or "committed, but which hosts applied it is unknown"
+        else:
+            lagging = ", ".join(hosts.get("lagging", []))
+            warning = f"committed, but these live hosts have not applied it yet: {lagging}"
+        click.echo(f"warning: {warning}", err=True)
         sys.exit(EXIT_LAGGING)
 
 

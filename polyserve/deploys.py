@@ -80,7 +80,7 @@ class Deploys:
                 meta |= {"entry": staged.entry, "pool": staged.pool, "upload": filename}
                 meta["deployed_at"] = time.time()
                 upload.seek(0)
-                change = await self._run(
+                change = await self.fleet.run(
                     self.fleet.db.deploy, space, upload.read(), staged.sha256, meta
                 )
                 number = change.version or 0
@@ -137,7 +137,7 @@ class Deploys:
         replaced), with a deploy's contract: once this answers 200, no worker (no host,
         in a fleet) starts a new request on another version."""
         if self.fleet is not None:
-            change, previous, meta = await self._run(self.fleet.db.rollback, space, asked)
+            change, previous, meta = await self.fleet.run(self.fleet.db.rollback, space, asked)
             status, hosts = await self.fleet.applied(change)
             return status, {**_rolled_back(space, meta, change.version, previous), "hosts": hosts}
         number, previous, meta = await self._run(self.reactivate, space, asked)
@@ -149,7 +149,7 @@ class Deploys:
         and its recent history; ClientError 404 for a space never deployed."""
         parse_space(space)
         if self.fleet is not None:
-            current, versions, history = await self._run(
+            current, versions, history = await self.fleet.run(
                 self.fleet.db.versions, space, HISTORY_LIMIT
             )
             where = "fleet"
@@ -178,7 +178,7 @@ class Deploys:
         self, space: str, commit: Callable[[str], Change | None]
     ) -> tuple[int, dict[str, object]]:
         assert self.fleet is not None
-        change = await self._run(commit, space)
+        change = await self.fleet.run(commit, space)
         if change is None:
             raise ClientError(404, f"space {space} is not deployed", space=space)
         status, hosts = await self.fleet.applied(change)

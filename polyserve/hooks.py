@@ -198,7 +198,8 @@ def when_ready(server: Any) -> None:
         if s.database_url:  # imported here: psycopg is a fleet host's alone to import
             from polyserve.fleet import follower
 
-            follower.start_boot(store, _master.table)
+            # A killed master's segment may still grow by its workers' late answers.
+            follower.start_boot(store, _master.table, settled=_master.leftover is None)
             _master.follow()
         _master.forkserve()  # it warms up while the workers boot
         _master.thread = threading.Thread(

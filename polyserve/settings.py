@@ -339,6 +339,13 @@ SETTINGS: tuple[Setting, ...] = (
         "Seconds a host that stopped answering still counts as live in the fleet.",
     ),
     Setting(
+        "fleet_timeout_s",
+        positive_float,
+        const(10.0),
+        "Seconds one call to the fleet's database may take (its statements, lock waits, a"
+        " server that stopped answering) before it fails: a write then answers 503.",
+    ),
+    Setting(
         "deploy_wait_s",
         positive_float,
         const(10.0),
@@ -409,6 +416,7 @@ class Settings:
     pool_retry_after_s: int
     fleet_poll_s: float
     fleet_live_s: float
+    fleet_timeout_s: float
     deploy_wait_s: float
     deps_index_url: str
     deps_find_links: tuple[str, ...]

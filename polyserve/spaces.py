@@ -8,7 +8,7 @@ import ctypes
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio.to_thread
@@ -99,7 +99,7 @@ class Registry:
         clock: Callable[[], float] = time.monotonic,
         space_threads: int = loader.DEFAULT_THREADS,
         host_limiter: anyio.CapacityLimiter | None = None,
-        fetch: Callable[[Version], None] | None = None,
+        fetch: Callable[[Version], Awaitable[None]] | None = None,
         pool: str | None = None,
         memory_cap: int = 0,
         memory: Callable[[], int] = anon_bytes,
@@ -114,7 +114,8 @@ class Registry:
         # Imports run on threads no tenant's sync handlers can take (see HandleApp).
         self.host_limiter = host_limiter
         # In a fleet: put a version's files in place, for one this host knows only by
-        # its pointer (a host that joined, or caught up far behind, fetches on first use).
+        # its pointer (a host that joined, or caught up far behind, fetches on first use),
+        # on the fleet's threads: a stalled database holds none of the import threads.
         self.fetch = fetch
         # In a fleet, the only pool whose spaces this worker imports; None (a single
         # host) imports every space whatever its pool.
@@ -382,7 +383,7 @@ class Registry:
                 " directory"
             )
         try:
-            await anyio.to_thread.run_sync(self.fetch, version, limiter=self.host_limiter)
+            await self.fetch(version)
         except ClientError as exc:
             raise loader.LoadError(exc.error) from exc
 

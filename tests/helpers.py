@@ -111,11 +111,18 @@ class HostProcess:
     unmarked_test: str | None = None
 
     def __init__(
-        self, data_dir: Path, workers: int = 2, args: tuple[str, ...] = (), **env: str
+        self,
+        data_dir: Path,
+        workers: int = 2,
+        args: tuple[str, ...] = (),
+        session: bool = False,
+        **env: str,
     ) -> None:
         self.data_dir = data_dir
         self.workers = workers
         self.args = args  # extra gunicorn command-line options
+        # A session (and process group) of its own, which os.killpg can end at once.
+        self.session = session
         self.extra_env = env
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -144,6 +151,7 @@ class HostProcess:
                 env=env,
                 stdout=log,
                 stderr=log,
+                start_new_session=self.session,
             )
 
     def start(self) -> HostProcess:

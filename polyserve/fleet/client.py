@@ -8,52 +8,72 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
-import anyio.to_thread
 
-from polyserve.fleet.db import Change, FleetDB
+from polyserve.fleet.db import Change, FleetDB, Unreachable, threaded
 from polyserve.fleet.follower import APPLIED, fetch_version, read_applied
 from polyserve.settings import Settings
 from polyserve.store import Store, Version
 
 _T = TypeVar("_T")
 WAIT_POLL_S = 0.02  # how often a waiting deploy reads the hosts' acknowledgements
+# Threads a worker gives the fleet's database calls: their own, so a database that stops
+# answering ties up none of the host's (imports, stagings) and no space waits on it.
+DB_THREADS = 4
+HOSTS_UNKNOWN = (
+    "the change is committed, but the fleet store became unreachable before this host"
+    " could read which live hosts applied it: do not repeat the write; GET"
+    " /_polyserve/fleet shows each host's `applied` once the database is back"
+)
 
 
 class FleetClient:
-    def __init__(
-        self, settings: Settings, store: Store, threads: anyio.CapacityLimiter | None
-    ) -> None:
+    def __init__(self, settings: Settings, store: Store) -> None:
         self.settings = settings
         self.store = store
-        self.threads = threads
-        self.db = FleetDB(settings.database_url)  # connects on first use, in a thread
+        self.threads = anyio.CapacityLimiter(DB_THREADS)
+        # Connects on first use, in a thread; each call within POLYSERVE_FLEET_TIMEOUT_S.
+        self.db = FleetDB(settings.database_url, settings.fleet_timeout_s)
 
     async def run(self, func: Callable[..., _T], *args: object) -> _T:
-        """Database work on the host's threads: the event loop never waits on it."""
-        return await anyio.to_thread.run_sync(func, *args, limiter=self.threads)
+        """Database work on the fleet's own threads, in bounded time (see threaded)."""
+        return await threaded(self.threads, self.settings.fleet_timeout_s, func, *args)
 
     async def applied(self, change: Change) -> tuple[int, dict[str, object]]:
-        """Wait until every live host, this one included, has applied the change, or
-        POLYSERVE_DEPLOY_WAIT_S has passed: (200 or 202, the `hosts` part of the answer)."""
+        """Wait until every live host, this one included, has applied the committed
+        change, or POLYSERVE_DEPLOY_WAIT_S has passed: (200 or 202, the `hosts` part of
+        the answer). The change is committed whatever the database does now: a read of
+        the hosts that fails is tried again until the deadline, and a deadline met
+        without one is a 202 whose hosts are unknown, never a 503 (whose "retry" would
+        commit the change twice)."""
         s = self.settings
         deadline = time.monotonic() + s.deploy_wait_s
         while True:
-            hosts = await self.run(self.db.hosts, s.fleet_live_s)
-            live = [h for h in hosts if h["live"]]
-            lagging = [h["id"] for h in live if h["applied"] < change.id]
-            if s.host_id not in {h["id"] for h in live}:
-                lagging.append(s.host_id)  # not following the fleet right now: say so
-            if not lagging or time.monotonic() > deadline:
+            try:
+                hosts = await self.run(self.db.hosts, s.fleet_live_s)
+            except Unreachable:
+                hosts = None  # a restart, a stall: read again until the deadline
+            if hosts is not None:
+                live = [h for h in hosts if h["live"]]
+                lagging = [h["id"] for h in live if h["applied"] < change.id]
+                if s.host_id not in {h["id"] for h in live}:
+                    lagging.append(s.host_id)  # not following the fleet right now: say so
+                if not lagging:
+                    return 200, {"applied": len(live), "live": len(live)}
+            if time.monotonic() > deadline:
                 break
             await asyncio.sleep(WAIT_POLL_S)
-        body: dict[str, object] = {"applied": len(live) - len(lagging), "live": len(live)}
-        if lagging:
-            body["lagging"] = sorted(lagging)
-        return (202 if lagging else 200), body
+        if hosts is None:
+            return 202, {"unknown": True, "error": HOSTS_UNKNOWN}
+        return 202, {
+            "applied": len(live) - len(lagging),
+            "live": len(live),
+            "lagging": sorted(lagging),
+        }
 
-    def fetch(self, version: Version) -> None:
+    async def fetch(self, version: Version) -> None:
         """A version this host knows only by its pointer: its files, on first use."""
-        fetch_version(self.db, self.store, version, self.settings.max_unpacked_mb << 20)
+        limit = self.settings.max_unpacked_mb << 20
+        await self.run(fetch_version, self.db, self.store, version, limit)
 
     async def usage(self) -> dict[str, Any]:
         """The fleet's ledger, rendered like a host's usage: per space, then each host's

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
+import anyio.to_thread
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import Jsonb
 
 from polyserve.errors import ClientError
@@ -18,9 +24,11 @@ from polyserve.meter import BILLED_NAMES
 from polyserve.names import DEFAULT_POOL
 from polyserve.store import describe, rollback_target
 
+_T = TypeVar("_T")
 CHANNEL = "polyserve_changes"
 CONNECT_TIMEOUT_S = 5
 TCP_USER_TIMEOUT_MS = 10_000  # unacknowledged data this long: the link is gone
+TIMEOUT_S = 10.0  # POLYSERVE_FLEET_TIMEOUT_S's default, for callers without settings
 
 
 class Unreachable(ClientError):
@@ -53,35 +61,85 @@ class Stored:
 
 
 USAGE_COLUMNS = BILLED_NAMES  # the ledger's columns are the meter's billing totals
+Totals = dict[str, tuple[int, ...]]  # per space, in USAGE_COLUMNS order
+
+
+@dataclass(frozen=True)
+class Boot:
+    """One run of a host's master, as its follower joins the fleet with it."""
+
+    id: str
+    lineage: str  # the data directory's id: its boots continue one another's ledger
+    start: Totals  # the host's local totals when this boot began
+    # Whether `start` is all that earlier runs will ever add (restored from a checkpoint),
+    # rather than a killed master's segment whose workers may still count into it.
+    settled: bool
 
 
 class FleetDB:
     """One process's connection to the fleet's database, shared by its threads (psycopg
-    connections are thread-safe; a lock keeps each transaction to one thread)."""
+    connections are thread-safe; a lock keeps each transaction to one thread).
 
-    def __init__(self, url: str) -> None:
+    Every call is bounded by `timeout_s`, waiting for the lock included: the server
+    enforces it on each statement and lock wait, and a server that stops answering
+    without closing the connection (stopped, hung, its machine frozen) has its
+    connection broken here when the call outlives it. Either way the call is
+    Unreachable (503), never a thread held for good.
+    """
+
+    def __init__(self, url: str, timeout_s: float = TIMEOUT_S) -> None:
         self.url = url  # never logged: it may hold a password
+        self.timeout_s = timeout_s
         self._conn: psycopg.Connection | None = None
         self._lock = threading.Lock()
         self._migrated = False  # once per process: whoever connects first creates the schema
 
     @contextlib.contextmanager
     def session(self) -> Iterator[psycopg.Connection]:
-        """The connection, reconnected if it was lost; a failure to reach the database is
-        Unreachable (503), and the broken connection is dropped for the next caller."""
-        with self._lock:
-            try:
-                if self._conn is not None and not _alive(self._conn):
-                    self.close()  # the server restarted, or the link broke: a new one
-                if self._conn is None:
-                    self._conn = connect(self.url)
+        """The connection, reconnected if it was lost; a failure to reach the database,
+        or a call that outlives timeout_s, is Unreachable (503), and the broken
+        connection is dropped for the next caller."""
+        end = time.monotonic() + self.timeout_s
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise Unreachable()  # the call before this one is still waiting on the server
+        try:
+            with _Deadline(end) as deadline:
+                try:
+                    if self._conn is not None:
+                        deadline.watch(self._conn)
+                        if not _alive(self._conn):  # the server restarted, the link broke
+                            deadline.watch(None)
+                            self.close()
+                    if self._conn is None:
+                        self._conn = connect(self.url, self.timeout_s, end - time.monotonic())
+                        deadline.watch(self._conn)
                     if not self._migrated:
                         migrate(self._conn)
                         self._migrated = True
-                yield self._conn
+                    yield self._conn
+                except psycopg.OperationalError:
+                    deadline.watch(None)
+                    self.close()
+                    raise Unreachable() from None
+        finally:
+            self._lock.release()
+
+    def listen(self) -> psycopg.Connection:
+        """A connection of its own that LISTENs for changes (the follower's), set up
+        within timeout_s like any call."""
+        with _Deadline(time.monotonic() + self.timeout_s) as deadline:
+            try:
+                conn = connect(self.url, self.timeout_s)
             except psycopg.OperationalError:
-                self.close()
                 raise Unreachable() from None
+            deadline.watch(conn)
+            try:
+                conn.execute(f"LISTEN {CHANNEL}")
+            except psycopg.OperationalError:
+                deadline.watch(None)
+                conn.close()
+                raise Unreachable() from None
+        return conn
 
     def close(self) -> None:
         if self._conn is not None:
@@ -254,28 +312,68 @@ class FleetDB:
 
     # -- hosts -----------------------------------------------------------------------
 
-    def join(self, host: str, url: str, pool: str, boot: str) -> int:
-        """Register this host's boot; returns the last change it had applied. The boot is
-        not live until its first heartbeat, which follows its catch-up: a load balancer
-        (or a deploy) that reads the fleet never sends it a space it has not applied."""
-        with self.session() as conn:
-            row = conn.execute(
-                "INSERT INTO polyserve_hosts (id, url, pool, boot, started_at, last_seen)"
-                " VALUES (%s, %s, %s, %s, now(), to_timestamp(0)) ON CONFLICT (id) DO UPDATE"
-                " SET url = excluded.url, pool = excluded.pool, boot = excluded.boot,"
-                " started_at = now(), last_seen = to_timestamp(0), left_at = NULL,"
-                " draining_at = NULL RETURNING applied",
-                (host, url, pool, boot),
-            ).fetchone()
-        return row[0] if row else 0
+    def join(
+        self, host: str, url: str, pool: str, boot: str | Boot, takeover: bool = True
+    ) -> Totals | None:
+        """Register this boot of the host; returns the totals its ledger rows leave out
+        (its baseline), or None when another boot has replaced it (a restart).
 
-    def heartbeat(self, host: str, boot: str, workers: int, applied: int) -> None:
-        with self.session() as conn:
+        The boot is not live until its first heartbeat, which follows its catch-up: a
+        load balancer (or a deploy) that reads the fleet never sends it a space it has
+        not applied. A boot that is already the host's (a follower that reconnects, or
+        one its master started again) keeps everything: its baseline, its heartbeat and
+        a drain mark. `takeover` False (a reconnect) refuses to replace another boot.
+
+        A new boot of the same data directory (lineage) takes over where the boot it
+        replaces stopped billing: its baseline is that boot's baseline plus what that
+        boot's rows hold, so whatever the host counted that no row has yet (the last
+        interval before a kill -9, the late answers of a killed master's workers) is
+        billed by this boot, and only by it. Read under the host row's lock, which a
+        usage write holds too: the boot replaced writes nothing after that.
+        """
+        if isinstance(boot, str):  # a boot without local totals (tests, tools)
+            boot = Boot(boot, "", {}, True)
+        with self.session() as conn, conn.transaction():
+            row = conn.execute(
+                "SELECT boot, lineage, baseline FROM polyserve_hosts WHERE id = %s FOR UPDATE",
+                (host,),
+            ).fetchone()
+            if row is not None and row[0] == boot.id:
+                conn.execute(
+                    "UPDATE polyserve_hosts SET url = %s, pool = %s WHERE id = %s",
+                    (url, pool, host),
+                )
+                return boot.start if row[2] is None else _totals(row[2])
+            if row is not None and not takeover:
+                return None
+            baseline = boot.start
+            if row is not None and boot.lineage and row[1] == boot.lineage and row[2] is not None:
+                billed = conn.execute(
+                    f"SELECT space, {', '.join(USAGE_COLUMNS)} FROM polyserve_usage"
+                    " WHERE host = %s AND boot = %s",
+                    (host, row[0]),
+                ).fetchall()
+                baseline = _continued(_totals(row[2]), billed, boot)
             conn.execute(
+                "INSERT INTO polyserve_hosts (id, url, pool, boot, started_at, last_seen,"
+                " lineage, baseline) VALUES (%s, %s, %s, %s, now(), to_timestamp(0), %s, %s)"
+                " ON CONFLICT (id) DO UPDATE SET url = excluded.url, pool = excluded.pool,"
+                " boot = excluded.boot, started_at = now(), last_seen = to_timestamp(0),"
+                " left_at = NULL, draining_at = NULL, lineage = excluded.lineage,"
+                " baseline = excluded.baseline",
+                (host, url, pool, boot.id, boot.lineage, Jsonb(baseline)),
+            )
+            return baseline
+
+    def heartbeat(self, host: str, boot: str, workers: int, applied: int) -> bool:
+        """False when this boot is no longer the host's: another boot replaced it."""
+        with self.session() as conn:
+            cur = conn.execute(
                 "UPDATE polyserve_hosts SET last_seen = now(), workers = %s, applied = %s"
                 " WHERE id = %s AND boot = %s",
                 (workers, applied, host, boot),
             )
+            return cur.rowcount == 1
 
     def leave(self, host: str, boot: str) -> None:
         """A stop: no deploy waits for this boot of the host any more (a boot that
@@ -289,7 +387,8 @@ class FleetDB:
     def drain(self, host: str) -> None:
         """Take a host out of the fleet before it stops (the autoscaler): no deploy waits
         for it and it is no longer listed as live, though it keeps serving and applying
-        changes until it stops. Its next boot (join) clears this."""
+        changes until it stops. Only its next boot (a join after a restart) clears
+        this: a follower that reconnects keeps it."""
         with self.session() as conn:
             conn.execute(
                 "UPDATE polyserve_hosts SET draining_at = coalesce(draining_at, now())"
@@ -344,21 +443,31 @@ class FleetDB:
 
     # -- usage -----------------------------------------------------------------------
 
-    def write_usage(self, host: str, boot: str, totals: dict[str, tuple[int, ...]]) -> None:
+    def write_usage(self, host: str, boot: str, totals: Totals) -> bool:
         """This boot's absolute totals per space (USAGE_COLUMNS order): a retry rewrites
-        the same numbers."""
-        if not totals:
-            return
-        with self.session() as conn, conn.transaction(), conn.cursor() as cur:
-            cur.executemany(
-                "INSERT INTO polyserve_usage (host, boot, space, requests, errors, busy_us,"
-                " resident_us, loads, import_us) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
-                " ON CONFLICT (host, boot, space) DO UPDATE SET requests = excluded.requests,"
-                " errors = excluded.errors, busy_us = excluded.busy_us,"
-                " resident_us = excluded.resident_us, loads = excluded.loads,"
-                " import_us = excluded.import_us, updated_at = now()",
-                [(host, boot, space, *values) for space, values in totals.items()],
-            )
+        the same numbers. Written only while this boot is the host's, checked under the
+        host row's lock in the same transaction: False, and nothing written, once a new
+        boot has taken over (join), which bills from where this boot's rows stopped."""
+        with self.session() as conn, conn.transaction():
+            row = conn.execute(
+                "SELECT boot FROM polyserve_hosts WHERE id = %s FOR KEY SHARE", (host,)
+            ).fetchone()
+            if row is None or row[0] != boot:
+                return False
+            if totals:
+                with conn.cursor() as cur:
+                    cur.executemany(
+                        "INSERT INTO polyserve_usage (host, boot, space, requests, errors,"
+                        " busy_us, resident_us, loads, import_us)"
+                        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                        " ON CONFLICT (host, boot, space) DO UPDATE SET"
+                        " requests = excluded.requests, errors = excluded.errors,"
+                        " busy_us = excluded.busy_us, resident_us = excluded.resident_us,"
+                        " loads = excluded.loads, import_us = excluded.import_us,"
+                        " updated_at = now()",
+                        [(host, boot, space, *values) for space, values in totals.items()],
+                    )
+            return True
 
     def usage(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         """The ledger summed over every host and boot: per space, and per host."""
@@ -375,21 +484,115 @@ class FleetDB:
         )
 
 
-def connect(url: str) -> psycopg.Connection:
+async def threaded(
+    threads: anyio.CapacityLimiter | None, timeout_s: float, func: Callable[..., _T], *args: Any
+) -> _T:
+    """A FleetDB call from an event loop, on `threads` (the fleet's own, never the
+    host's): a call that gets no thread within `timeout_s` (the database stalled and
+    every thread waits on it) is Unreachable at once; one that got a thread ends within
+    that time too (FleetDB's deadline). So a 503 comes in bounded time."""
+    with anyio.move_on_after(timeout_s):
+        return await anyio.to_thread.run_sync(func, *args, limiter=threads)
+    raise Unreachable()
+
+
+def connect(
+    url: str, timeout_s: float = TIMEOUT_S, within_s: float | None = None
+) -> psycopg.Connection:
     """An autocommit connection (libpq reads PG* variables for what the URL leaves out).
+
     Keepalives and a TCP user timeout make a link that silently drops packets fail
-    within seconds, not after the kernel's quarter of an hour of retries: a write then
-    answers 503 instead of hanging, and a follower reconnects."""
+    within seconds, not after the kernel's quarter of an hour of retries. The server
+    ends any statement, lock wait or transaction left idle that outlives `timeout_s`,
+    so no call waits on a lock another host's stalled transaction holds. A server that
+    stops answering altogether is FleetDB's deadline's to break: nothing in TCP ends it.
+    `within_s`: what is left of the caller's own time, for the connection itself.
+    """
+    within_s = timeout_s if within_s is None else within_s
+    if within_s <= 0:
+        raise psycopg.OperationalError("no time left to connect")
+    ms = max(int(timeout_s * 1000), 1)
+    limits = (
+        f"-c statement_timeout={ms} -c lock_timeout={ms}"
+        f" -c idle_in_transaction_session_timeout={ms}"
+    )
+    given = conninfo_to_dict(url).get("options")  # the URL's own come first
     return psycopg.connect(
         url,
         autocommit=True,
-        connect_timeout=CONNECT_TIMEOUT_S,
+        connect_timeout=max(min(CONNECT_TIMEOUT_S, int(within_s)), 1),
+        options=f"{given} {limits}" if given else limits,
         keepalives=1,
         keepalives_idle=5,
         keepalives_interval=2,
         keepalives_count=3,
         tcp_user_timeout=TCP_USER_TIMEOUT_MS,
     )
+
+
+class _Deadline:
+    """Breaks the socket of the connection it watches once `end` (monotonic) passes,
+    unless the call it bounds ended first: a blocked read then fails at once, as if
+    the server had closed the connection. Its timer takes the lock before it touches
+    the connection, and the caller stops watching before it closes one, so a file
+    descriptor the kernel reused is never touched."""
+
+    def __init__(self, end: float) -> None:
+        self._conn: psycopg.Connection | None = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(max(end - time.monotonic(), 0.0), self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def watch(self, conn: psycopg.Connection | None) -> None:
+        with self._lock:
+            self._conn = conn
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._conn is None:
+                return
+            try:
+                fd = os.dup(self._conn.fileno())
+            except (OSError, psycopg.Error):  # closed meanwhile: nothing left to break
+                return
+            # shutdown() on a duplicate reaches the one socket both descriptors name.
+            with socket.socket(fileno=fd) as sock, contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def __enter__(self) -> _Deadline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+        self.watch(None)
+
+
+def _totals(stored: dict[str, list[int]] | None) -> Totals:
+    return {space: tuple(values) for space, values in (stored or {}).items()}
+
+
+def _continued(before: Totals, billed: list[tuple[Any, ...]], boot: Boot) -> Totals:
+    """A new boot's baseline from the boot it replaces: that boot's baseline plus what
+    its rows bill, per space. Restored from a checkpoint (settled), the host's totals
+    may be behind what was billed (a machine restart loses /dev/shm, and with it what
+    came after the last checkpoint): then they are the baseline, so what the host
+    counts from now on is billed and nothing twice. From a killed master's segment
+    they may still grow by its workers' late answers, which the rows may already
+    hold: never lower then."""
+    zero = (0,) * len(USAGE_COLUMNS)
+    reached = {space: tuple(values) for space, *values in billed}
+    baseline = {}
+    for space in before.keys() | reached.keys():
+        total = [
+            a + b for a, b in zip(before.get(space, zero), reached.get(space, zero), strict=True)
+        ]
+        if boot.settled:
+            start = boot.start.get(space, zero)
+            total = [min(t, s) for t, s in zip(total, start, strict=True)]
+        if any(total):
+            baseline[space] = tuple(total)
+    return baseline
 
 
 def _alive(conn: psycopg.Connection) -> bool:

@@ -29,9 +29,9 @@ import psycopg
 from polyserve import meter
 from polyserve.broadcast import Broadcast
 from polyserve.errors import ClientError
-from polyserve.fleet.db import CHANNEL, Change, FleetDB, Stored, Unreachable, connect
+from polyserve.fleet.db import Boot, Change, FleetDB, Stored, Totals, Unreachable
 from polyserve.settings import Settings, load
-from polyserve.shm import Table, segment_name
+from polyserve.shm import H_ALIVE, Table, segment_name
 from polyserve.store import Store, Version, write_atomic
 
 log = logging.getLogger("polyserve")
@@ -41,6 +41,7 @@ BATCH = 1000
 # takes the fleet's pointers and fetches each version's files on first use instead of
 # replaying every change; closer, it applies each change with its files.
 EAGER_LIMIT = 20
+STOP_CHECK_S = 0.2  # how soon a follower waiting for changes sees that it must stop
 
 
 def fetch_version(db: FleetDB, store: Store, version: Version, max_unpacked: int) -> None:
@@ -73,20 +74,15 @@ class Follower:
     """Runs in a process of its own beside the master (see main): a database connection
     must not be inherited by the workers the master forks."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        store: Store,
-        broadcast: Broadcast,
-        boot: str,
-        baseline: dict[str, tuple[int, ...]],
-    ) -> None:
+    def __init__(self, settings: Settings, store: Store, broadcast: Broadcast, boot: Boot) -> None:
         self.settings = settings
         self.store = store
         self.broadcast = broadcast
         self.boot = boot
-        self.baseline = baseline  # usage totals when this boot began: not this boot's
-        self.db = FleetDB(settings.database_url)
+        # The totals this boot's ledger rows leave out, as the fleet said at the join
+        # (None: not joined yet, so nothing to write: the next boot bills it all).
+        self.baseline: Totals | None = None
+        self.db = FleetDB(settings.database_url, settings.fleet_timeout_s)
         self.applied = read_applied(store.root / APPLIED)
         self.stop = threading.Event()
         self._usage_at = 0.0  # monotonic time of the last usage write
@@ -95,20 +91,22 @@ class Follower:
 
     def run(self) -> None:
         """Follow until stop is set, through lost connections and a database that is down."""
+        s = self.settings
         listener: psycopg.Connection | None = None
         while not self.stop.is_set():
             try:
                 if listener is None or listener.closed:
-                    listener = connect(self.settings.database_url)
-                    listener.execute(f"LISTEN {CHANNEL}")
+                    listener = self.db.listen()
                     self._join()
+                    if self.stop.is_set():
+                        break
                 self.catch_up()
-                self.db.heartbeat(self.settings.host_id, self.boot, self._workers(), self.applied)
-                if time.monotonic() - self._usage_at >= self.settings.checkpoint_interval:
+                if not self.db.heartbeat(s.host_id, self.boot.id, self._workers(), self.applied):
+                    self._replaced()
+                    break
+                if time.monotonic() - self._usage_at >= s.checkpoint_interval:
                     self.write_usage()
-                # Woken by the first NOTIFY, or after the poll interval: the backstop.
-                for _ in listener.notifies(timeout=self.settings.fleet_poll_s, stop_after=1):
-                    pass
+                self._wait(listener)
             except (psycopg.Error, Unreachable, OSError) as exc:
                 log.warning("fleet store unreachable (%s); retrying", type(exc).__name__)
                 if listener is not None:
@@ -121,22 +119,52 @@ class Follower:
         if listener is not None:
             listener.close()
 
+    def _wait(self, listener: psycopg.Connection) -> None:
+        """Until the first NOTIFY, the poll interval (the backstop), the next usage write,
+        or a stop: in short waits, so a follower whose master died (SIGTERM) stops at
+        once, not a poll interval later, while another boot of the host may have started."""
+        s, now = self.settings, time.monotonic()
+        end = now + min(s.fleet_poll_s, max(self._usage_at + s.checkpoint_interval - now, 0.0))
+        while not self.stop.is_set() and (left := end - time.monotonic()) > 0:
+            if next(listener.notifies(timeout=min(left, STOP_CHECK_S), stop_after=1), None):
+                return
+
     def _join(self) -> None:
+        """Join the fleet: this process's first join may take over from an earlier boot;
+        a reconnect never does (another boot that replaced this one meanwhile stays)."""
         s = self.settings
-        self.db.join(s.host_id, s.advertise_url, s.pool, self.boot)
+        takeover = self.baseline is None
+        baseline = self.db.join(s.host_id, s.advertise_url, s.pool, self.boot, takeover)
+        if baseline is None:
+            self._replaced()
+        else:
+            self.baseline = baseline
+
+    def _replaced(self) -> None:
+        log.warning("boot %s of this host was replaced by a newer one: stopping", self.boot.id)
+        self.baseline = None  # its rows are the new boot's to continue: write nothing
+        self.stop.set()
 
     def write_usage(self) -> None:
         """This boot's totals per space into the fleet's ledger: absolute, so a retry
-        writes the same numbers, and a host killed with -9 loses at most one interval."""
+        writes the same numbers, and a host killed with -9 loses at most one interval
+        until it starts again (its next boot bills the rest, see FleetDB.join).
+
+        Open residency counts up to the master's last checkpoint, as a restarted
+        master's recovery does, so no boot bills what the next one will not have."""
+        if self.baseline is None:
+            return
         table, ledger = self.broadcast.table, self.store.slots.ledger()
-        now = meter.totals_by_name(table, ledger, meter.now_us(), meter.BILLED)
-        boot = {}
+        now = meter.totals_by_name(table, ledger, table.header(H_ALIVE), meter.BILLED)
+        billed = {}
         for space, values in now.items():
             before = self.baseline.get(space, (0,) * len(values))
-            delta = tuple(a - b for a, b in zip(values, before, strict=True))
+            # Never below 0: restored from a checkpoint, a total may be behind the baseline.
+            delta = tuple(max(a - b, 0) for a, b in zip(values, before, strict=True))
             if any(delta):
-                boot[space] = delta
-        self.db.write_usage(self.settings.host_id, self.boot, boot)
+                billed[space] = delta
+        if not self.db.write_usage(self.settings.host_id, self.boot.id, billed):
+            self._replaced()
         self._usage_at = time.monotonic()
 
     def leave(self) -> None:
@@ -145,7 +173,7 @@ class Follower:
         with contextlib.suppress(Unreachable, psycopg.Error):
             self.write_usage()
         with contextlib.suppress(Unreachable, psycopg.Error):
-            self.db.leave(self.settings.host_id, self.boot)
+            self.db.leave(self.settings.host_id, self.boot.id)
         self.db.close()
 
     def _workers(self) -> int:
@@ -235,15 +263,28 @@ def read_applied(path: Path) -> int:
         return 0
 
 
-BOOT = "fleet-boot.json"  # in the data directory: this boot's id and starting totals
+BOOT = "fleet-boot.json"  # in the data directory: this boot's id, lineage, starting totals
 
 
-def start_boot(store: Store, table: Table) -> None:
+def start_boot(store: Store, table: Table, settled: bool) -> None:
     """The master, before any worker is forked: name this boot and keep what the table
-    holds already (restored from earlier boots), which this boot's ledger rows leave out."""
-    baseline = meter.totals_by_name(table, store.slots.ledger(), meter.now_us(), meter.BILLED)
-    data = {"boot": uuid.uuid4().hex, "baseline": baseline}
-    write_atomic(store.root / BOOT, json.dumps(data).encode())
+    holds already (restored from earlier boots). `settled`: restored from a checkpoint,
+    not from a killed master's segment whose workers may still count into it. The
+    lineage, the data directory's id, stays from boot to boot."""
+    path = store.root / BOOT
+    try:
+        lineage = json.loads(path.read_text()).get("lineage") or uuid.uuid4().hex
+    except (FileNotFoundError, ValueError, AttributeError):
+        lineage = uuid.uuid4().hex
+    start = meter.totals_by_name(table, store.slots.ledger(), meter.now_us(), meter.BILLED)
+    data = {"boot": uuid.uuid4().hex, "lineage": lineage, "start": start, "settled": settled}
+    write_atomic(path, json.dumps(data).encode())
+
+
+def read_boot(store: Store) -> Boot:
+    data = json.loads((store.root / BOOT).read_text())
+    start = {name: tuple(v) for name, v in data["start"].items()}
+    return Boot(data["boot"], data["lineage"], start, data["settled"])
 
 
 def main() -> None:
@@ -256,9 +297,7 @@ def main() -> None:
     table = Table.attach(segment_name(str(store.root)))
     if table is None or os.getppid() == 1:
         sys.exit("polyserve follower: no master (its table is gone)")
-    boot = json.loads((store.root / BOOT).read_text())
-    baseline = {name: tuple(v) for name, v in boot["baseline"].items()}
-    follower = Follower(settings, store, Broadcast(table, None), boot["boot"], baseline)
+    follower = Follower(settings, store, Broadcast(table, None), read_boot(store))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: follower.stop.set())
     follower.run()

@@ -9,9 +9,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import anyio
-import anyio.to_thread
 
-from polyserve.fleet.db import FleetDB, Unreachable
+from polyserve.fleet.db import FleetDB, Unreachable, threaded
 
 _T = TypeVar("_T")
 # A burst of requests for other pools' spaces reads the fleet's hosts once per this many
@@ -24,9 +23,11 @@ DEMAND_KEYS = 1024  # past this many remembered writes, the stale ones are forgo
 class PoolRouter:
     """Where a worker sends a request for a space of another pool than its host's.
 
-    Every database call runs on the host's threads, never on the event loop; the hosts'
-    table is read at most once per HOSTS_TTL_S whatever the burst (one lookup at a time,
-    the others wait for its answer), and an unreachable database is remembered as long.
+    Every database call runs on the fleet's threads (`threads`), never on the event
+    loop nor the host's import threads, and fails within the database's timeout; the
+    hosts' table is read at most once per HOSTS_TTL_S whatever the burst (one lookup at
+    a time, the others wait for its answer), and an unreachable database is remembered
+    as long.
     """
 
     def __init__(
@@ -87,4 +88,4 @@ class PoolRouter:
             raise
 
     async def _run(self, func: Callable[..., _T], *args: object) -> _T:
-        return await anyio.to_thread.run_sync(func, *args, limiter=self.threads)
+        return await threaded(self.threads, self.db.timeout_s, func, *args)

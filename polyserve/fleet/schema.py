@@ -73,6 +73,12 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (pool, space)
     );
     """,
+    # The ledger's fence (docs/fleet.md, "Usage, billed once"): the data directory a
+    # host's current boot runs on, and the totals that boot's rows leave out. A new boot
+    # of the same directory starts billing where the boot it replaces stopped.
+    """
+    ALTER TABLE polyserve_hosts ADD COLUMN lineage text, ADD COLUMN baseline jsonb;
+    """,
 )
 
 
