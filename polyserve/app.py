@@ -31,6 +31,7 @@ from polyserve.deadlines import Deadlines
 from polyserve.deploys import Deploys, rollback_request
 from polyserve.dispatch import Dispatch, answer
 from polyserve.errors import ClientError
+from polyserve.inference import InferenceRoutes
 from polyserve.logstore import LogStore
 from polyserve.mapped import mapped_by_space
 from polyserve.meter import CELLS, Meter
@@ -113,7 +114,7 @@ async def running_host(
         table=table,
         broadcast=broadcast,
         registry=registry,
-        dispatch=Dispatch(registry, usage, deadlines, pools),
+        dispatch=Dispatch(registry, usage, deadlines, pools, s.max_infer_mb << 20),
         deploys=Deploys(s, store, broadcast, table, threads, registry.refresh, fleet),
         logs=logs,
     )
@@ -395,6 +396,7 @@ class HostApp:
         )
         self._trusted: list[str] | str | None = None
         self._dispatch: ASGIApp = _not_started
+        self.inference = InferenceRoutes(self.control, lambda: self._dispatch)
 
     def trust_forwarded(self, trusted_hosts: list[str] | str) -> None:
         """Give spaces the client that X-Forwarded-For names, from these proxies only.
@@ -432,6 +434,10 @@ class HostApp:
                     scope["path_params"] = {"owner": owner, "name": name}
                     scope["root_path"] = f"{root}/s/{owner}/{name}"
                     return await self._dispatch(scope, receive, send)
+            elif path == "/v2" or path.startswith("/v2/"):  # the inference protocol
+                if self.control.host is None:
+                    return await _not_started(scope, receive, send)
+                return await self.inference(scope, receive, send, path)
         await self.control_app(scope, receive, send)
 
 

@@ -20,6 +20,7 @@ from polyserve.meter import Meter
 from polyserve.spaces import NO_ROOM_RETRY_S, NoRoom, NotDeployed, OtherPool, Registry
 
 if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
+    from polyserve import modelspace
     from polyserve.fleet.pools import PoolRouter
 
 log = logging.getLogger("polyserve")
@@ -34,8 +35,10 @@ class Dispatch:
         meter: Meter,
         deadlines: Deadlines,
         pools: PoolRouter | None = None,
+        max_infer: int = 64 << 20,
     ) -> None:
         self.registry = registry
+        self.max_infer = max_infer  # bytes of a model space's infer body
         self.meter = meter
         self.deadlines = deadlines
         self.pools = pools  # in a fleet: where another pool's spaces are served
@@ -48,11 +51,14 @@ class Dispatch:
         slot: int | None = None  # None: no space answered, so no request is counted
         metered = False
 
-        def count(status: int) -> None:
+        def count(status: int, billed: bool = True, error: bool | None = None) -> None:
+            # A model space's metadata and health reads are answered but not billed, and
+            # its refused infers count as errors (`error`); other answers err from 500.
             nonlocal metered
             if not metered:
                 metered = True
-                self.meter.end(slot, started, error=status >= 500)
+                failed = status >= 500 if error is None else error
+                self.meter.end(slot if billed else None, started, error=failed)
 
         status = 500  # if anything below raises mid-way
         try:
@@ -136,7 +142,7 @@ class Dispatch:
         scope: Scope,
         receive: Receive,
         send: Send,
-        count: Callable[[int], None],
+        count: Callable[..., None],
     ) -> int:
         """Call the space; returns the status it answered (0 for a websocket)."""
         status = 0
@@ -158,6 +164,13 @@ class Dispatch:
         kind = imported.kind
         if kind == "app":
             scope["state"] = imported.state.copy()  # lifespan state, shallow-copied per ASGI
+        if kind != "model" and "polyserve.route" in scope:
+            # An infer at the host's root (polyserve/inference.py) for a space that is
+            # not a model: its own app never sees the protocol's path. Not billed.
+            count(404, billed=False)
+            error = f"space {space} is not a model space: it has no inference protocol routes"
+            await answer(scope, receive, send, 404, {"error": error, "space": space})
+            return 404
         task = self.deadlines.enter()
         # What the space prints and logs from here (and in the tasks and threads it
         # starts) is its own: one context variable set, the whole cost per request.
@@ -189,6 +202,18 @@ class Dispatch:
                     await response(scope, receive, send)
                     return status
                 await response(scope, receive, tracking_send)
+            elif kind == "model" and scope["type"] == "http":
+                # The protocol's answer is in hand before a byte is sent, as handle()'s.
+                model = cast("modelspace.InferenceApp", imported.app)
+                route = scope.get("polyserve.route")
+                found = await model.respond(scope, receive, route, self.max_infer)
+                status = found.status
+                self.deadlines.leave(task)
+                count(status, billed=found.billed, error=found.error)
+                start = {"type": "http.response.start", "status": status, "headers": found.headers}
+                await send(start)
+                await send({"type": "http.response.body", "body": found.body})
+                return status
             else:
                 await imported.app(scope, receive, tracking_send)
         except (Exception, asyncio.CancelledError) as exc:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import anyio.to_thread
@@ -43,6 +43,9 @@ from a2wsgi import WSGIMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:  # numpy comes with it: imported only once a model space needs it
+    from polyserve import modelspace
 
 from polyserve import spacelog
 
@@ -221,7 +224,7 @@ class Imported:
     version: int
     package: str
     module: Any
-    kind: str  # "app" (ASGI), "wsgi" or "handle"
+    kind: str  # "app" (ASGI), "wsgi", "handle" or "model" (an InferenceApp)
     app: ASGIApp
     root: Path  # the version's directory
     log: spacelog.Tag  # what its code says is attributed to it (dispatch sets CURRENT)
@@ -255,8 +258,15 @@ def import_version(
     tag = spacelog.tag(space, version, root)
     speaking = spacelog.CURRENT.set(tag)  # what the module prints at import is the space's
     try:
-        module = importlib.import_module(f"{package}.{entry.removesuffix('.py')}")
-        kind, app = _find_callable(module, entry, threads)
+        app: ASGIApp
+        if entry.endswith(".onnx"):  # a model space: the host's own app serves the file
+            module, kind, app = None, "model", _model_app(root / entry, threads)
+        else:
+            module = importlib.import_module(f"{package}.{entry.removesuffix('.py')}")
+            kind, app = _find_callable(module, entry, threads)
+        if kind == "model":
+            model = cast("modelspace.InferenceApp", app)
+            model.version, model.versions_dir = version, root.parent
     except LoadError as exc:
         forget(package)
         tag.record(logging.ERROR, "stderr", f"import failed: {exc}", time.time())
@@ -275,6 +285,9 @@ def _find_callable(module: Any, entry: str, threads: int) -> tuple[str, ASGIApp]
     if app is not None:
         if not callable(app):
             raise LoadError(f"{entry}: `app` must be an ASGI or WSGI application (a callable)")
+        models = sys.modules.get("polyserve.modelspace")  # imported by inference_app
+        if models is not None and isinstance(app, models.InferenceApp):
+            return "model", app
         if is_wsgi(app):
             # Flask, Django, any WSGI app, unchanged: a2wsgi runs it on a thread pool of
             # the space's own size, as a sync handle() gets.
@@ -292,6 +305,21 @@ def _find_callable(module: Any, entry: str, threads: int) -> tuple[str, ASGIApp]
         " export one of them at module level",
         file=entry,
     )
+
+
+def _model_app(path: Path, threads: int) -> modelspace.InferenceApp:
+    """A deployed model file's app; a file onnxruntime cannot serve is a LoadError."""
+    from polyserve import modelspace
+    from polyserve.models import onnx_session
+
+    try:
+        # One copy of the weights per host, as a space's own onnx_session() gives.
+        return modelspace.InferenceApp(modelspace.Model(onnx_session(path)), threads=threads)
+    except modelspace.ModelError as exc:
+        raise LoadError(f"{path.name}: {exc}", file=path.name) from None
+    except Exception as exc:  # onnxruntime's own classes say what is wrong with the file
+        message = scrub_paths(f"{type(exc).__name__}: {exc}", path.parent)
+        raise LoadError(f"onnxruntime cannot load {path.name}: {message}", file=path.name) from None
 
 
 def is_wsgi(app: Any) -> bool:

@@ -33,7 +33,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from polyserve.modelspace import InferenceApp, inference_app
+from polyserve.protocol import TensorSpec as Tensor
+
 log = logging.getLogger("polyserve.models")
+
+__all__ = ["InferenceApp", "Tensor", "inference_app", "onnx_session", "skeleton"]
 
 MIN_BYTES = 4096  # smaller tensors stay inline: a page or less, not worth a mapping
 

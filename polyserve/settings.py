@@ -264,6 +264,13 @@ SETTINGS: tuple[Setting, ...] = (
         "4 * POLYSERVE_MAX_UPLOAD_MB",
     ),
     Setting(
+        "max_infer_mb",
+        positive_int,
+        const(64),
+        "Largest inference protocol request body (MiB, after decompression); a larger one"
+        " is a 400.",
+    ),
+    Setting(
         "space_threads",
         positive_int,
         const(8),
@@ -405,6 +412,7 @@ class Settings:
     checkpoint_interval: float
     max_upload_mb: int
     max_unpacked_mb: int
+    max_infer_mb: int
     space_threads: int
     preload: tuple[str, ...]
     log_kb: int

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import os
 import re
+import shutil
 import tarfile
 import tomllib
 import zlib
@@ -17,6 +18,7 @@ from polyserve.names import DEFAULT_POOL, POOL_RULE, is_pool
 
 MANIFEST = "polyserve.toml"
 DEFAULT_ENTRIES = ("main.py", "app.py")
+MODEL_FILE = "model.onnx"  # a model upload's name, and a tar's model when it has no module
 MAX_TAR_ENTRIES = 10_000  # members, `./` directory entries included
 MAX_NAME_BYTES = 4096  # PATH_MAX on Linux: no file a space can import needs a longer path
 # Pax and GNU long-name data are read whole into memory and parsed record by record in
@@ -63,6 +65,9 @@ def unpack_upload(upload: BinaryIO, dest: Path, filename: str, max_unpacked: int
         entry = filename if _SOURCE_NAME.fullmatch(filename) else "main.py"
         _write_source(upload, dest / entry, filename)
         return Manifest(entry)
+    if filename.endswith(".onnx"):  # a model space: the host serves the file itself
+        _write_model(upload, dest / MODEL_FILE, filename)
+        return Manifest(MODEL_FILE)
     extract_tar(upload, dest, max_unpacked, filename)
     return _read_manifest(dest)
 
@@ -259,6 +264,16 @@ def _write_source(upload: BinaryIO, dest: Path, filename: str) -> None:
     dest.write_bytes(data)
 
 
+def _write_model(upload: BinaryIO, dest: Path, filename: str) -> None:
+    """A model upload, copied as it streams in (onnxruntime checks it at validation)."""
+    upload.seek(0)
+    with open(dest, "wb") as out:
+        shutil.copyfileobj(upload, out, 1 << 20)
+        empty = out.tell() == 0
+    if empty:
+        raise ClientError(422, f"{_clip(filename)} is empty: upload an ONNX model file")
+
+
 def _read_manifest(root: Path) -> Manifest:
     """The tar's polyserve.toml (`entry`, `pool`: both optional), or the defaults."""
     manifest = root / MANIFEST
@@ -274,10 +289,10 @@ def _read_manifest(root: Path) -> Manifest:
     entry = table.get("entry")
     if entry is None:
         return Manifest(_default_entry(root), pool)
-    if not isinstance(entry, str) or "/" in entry or not entry.endswith(".py"):
+    if not isinstance(entry, str) or "/" in entry or not entry.endswith((".py", ".onnx")):
         raise ClientError(
             422,
-            f"{MANIFEST}: entry must name a .py file at the top of the tar",
+            f"{MANIFEST}: entry must name a .py file (or an .onnx model) at the top of the tar",
             field="entry",
             entry=_clip(entry),
         )
@@ -313,13 +328,14 @@ def _toml_type(value: object) -> str:
 
 
 def _default_entry(root: Path) -> str:
-    for name in DEFAULT_ENTRIES:
+    for name in (*DEFAULT_ENTRIES, MODEL_FILE):  # a model only where no module is the entry
         if (root / name).is_file():
             return name
     top = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())[:10]
     raise ClientError(
         422,
-        "no entry module: put main.py or app.py at the top of the tar (create it with"
+        f"no entry module: put main.py or app.py (or a model, as {MODEL_FILE}) at the top of"
+        " the tar (create it with"
         f" `tar -cf space.tar -C yourdir .`) or name one in {MANIFEST}",
         found=[_clip(name, 60) for name in top],  # ten names in a short body
     )

@@ -136,7 +136,10 @@ async def _wait(
             line=result.get("line"),
             stderr=stderr,
         )
-    return {"kind": result["kind"], "import_ms": result["import_ms"]}
+    checked = {"kind": result["kind"], "import_ms": result["import_ms"]}
+    if result["kind"] == "model":  # what the protocol's metadata will say of it
+        checked |= {"inputs": result.get("inputs"), "outputs": result.get("outputs")}
+    return checked
 
 
 def _result(out: bytes) -> dict[str, object] | None:
@@ -190,7 +193,11 @@ async def _check(
         return {"ok": False, **exc.details}, exc.__cause__
     import_ms = round((time.perf_counter() - started) * 1000, 3)
     await loader.stop(imported, timeout)
-    return {"ok": True, "kind": imported.kind, "import_ms": import_ms}, None
+    result: dict[str, object] = {"ok": True, "kind": imported.kind, "import_ms": import_ms}
+    model = getattr(imported.app, "model", None) if imported.kind == "model" else None
+    if model is not None:
+        result |= model.describe()
+    return result, None
 
 
 def runner() -> asyncio.Runner:

@@ -130,6 +130,8 @@ def test_the_committed_model_is_what_the_build_produces(tmp_path):
     assert (committed_labels == built_labels).all()
     assert np.allclose(committed_p, built_p, atol=1e-5)
     assert meta["held_out_accuracy"] == META["held_out_accuracy"]
+    infer = json.loads((EXAMPLE / "infer.json").read_text())
+    assert infer == train.infer_request(META)
 
 
 def test_the_held_out_accuracy_is_what_the_readme_says():

@@ -322,3 +322,19 @@ def test_peak_memory_stays_within_a_small_multiple_of_the_cap(tmp_path, case):
     assert result["status"] == status, result
     assert len(json.dumps(result["body"])) < 1000
     assert result["growth"] <= 4 * CAP, f"peak RSS grew {result['growth'] >> 10} KiB"
+
+
+def test_a_model_upload_is_stored_as_model_onnx_whatever_its_name(store):
+    staged = store.stage(io.BytesIO(b"\x08\x07model bytes"), "digits-v2.onnx", CAP)
+    assert staged.entry == "model.onnx"
+    assert (staged.dir / "model.onnx").read_bytes() == b"\x08\x07model bytes"
+    assert sorted(p.name for p in staged.dir.iterdir()) == ["model.onnx"]
+
+
+def test_a_tar_with_a_model_and_no_module_has_the_model_as_its_entry(store):
+    staged = store.stage(io.BytesIO(tar_of(member("model.onnx", b"m"))), "s.tar", CAP)
+    assert staged.entry == "model.onnx"
+    with_module = tar_of(member("model.onnx", b"m"), member("main.py", b"app = None"))
+    assert store.stage(io.BytesIO(with_module), "s.tar", CAP).entry == "main.py"
+    named = tar_of(member("digits.onnx", b"m"), member("polyserve.toml", b'entry = "digits.onnx"'))
+    assert store.stage(io.BytesIO(named), "s.tar", CAP).entry == "digits.onnx"

@@ -1,7 +1,8 @@
 """Build step of the onnx-tiny example: train a digits classifier and export it to ONNX.
 
 Deterministic (fixed split and solver), offline (the digits set ships inside
-scikit-learn), and run by `make build`. Writes model.onnx and model.json next to it.
+scikit-learn), and run by `make build`. Writes model.onnx and model.json next to it, and
+infer.json: the sample as an Open Inference Protocol request (docs/inference-protocol.md).
 Needs the build extra: pip install -e '.[build]'.
 """
 
@@ -56,10 +57,17 @@ def train() -> tuple[bytes, dict]:
     return onx.SerializeToString(), meta
 
 
+def infer_request(meta: dict) -> dict:
+    """The sample row as the body of a V2 infer: `curl -d @infer.json .../infer`."""
+    x = {"name": meta["input"]["name"], "shape": [1, 64], "datatype": "FP32"}
+    return {"inputs": [{**x, "data": meta["sample"]["inputs"]}]}
+
+
 def main() -> None:
     model, meta = train()
     (HERE / "model.onnx").write_bytes(model)
     (HERE / "model.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (HERE / "infer.json").write_text(json.dumps(infer_request(meta)) + "\n")
     print(
         f"model.onnx: {len(model)} bytes, held-out accuracy {meta['held_out_accuracy']:.4f}"
         f" on {meta['held_out_size']} images"
