@@ -198,8 +198,9 @@ def wrk_path() -> str:
     return found
 
 
-def wrk(url: str, connections: int, seconds: int) -> dict[str, float]:
-    """One wrk run: requests/s and latency percentiles (ms)."""
+def wrk(url: str, connections: int, seconds: int, script: Path | None = None) -> dict[str, float]:
+    """One wrk run: requests/s and latency percentiles (ms); `script` is a Lua file
+    that sets the method, body and headers (a POST), else each request is a GET."""
     out = subprocess.run(
         pinned(
             [
@@ -211,6 +212,7 @@ def wrk(url: str, connections: int, seconds: int) -> dict[str, float]:
                 "-d",
                 f"{int(seconds)}s",
                 "--latency",
+                *(["-s", str(script)] if script else []),
                 url,
             ],
             WRK_CPUS,

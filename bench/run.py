@@ -60,19 +60,26 @@ def heavy_tar() -> bytes:
 
 
 def ab_rounds(
-    a_url: str, b_url: str, args: argparse.Namespace, connections: tuple[int, ...] = (1, 32)
+    a_url: str,
+    b_url: str,
+    args: argparse.Namespace,
+    connections: tuple[int, ...] = (1, 32),
+    scripts: tuple[Path | None, Path | None] = (None, None),
 ) -> dict[str, object]:
     """A and B alternately (A first in even rounds, B first in odd ones) for each
-    connection count: -c 1 for latency, -c 32 for throughput."""
-    for url in (a_url, b_url):  # warm up: imports, caches, connection pools
-        wrk(url, 32, 1)
+    connection count: -c 1 for latency, -c 32 for throughput. `scripts` are each
+    side's wrk Lua script (a POST's body), if any."""
+    sides = {"a": (a_url, scripts[0]), "b": (b_url, scripts[1])}
+    for url, script in sides.values():  # warm up: imports, caches, connection pools
+        wrk(url, 32, 1, script)
     runs: dict[int, list[tuple[dict, dict]]] = {c: [] for c in connections}
     for round_ in range(args.ab_rounds):
         for c in connections:
-            order = [("a", a_url), ("b", b_url)]
-            if round_ % 2:
-                order.reverse()
-            got = {side: wrk(url, c, args.seconds) for side, url in order}
+            order = ["a", "b"] if round_ % 2 == 0 else ["b", "a"]
+            got = {}
+            for side in order:
+                url, script = sides[side]
+                got[side] = wrk(url, c, args.seconds, script)
             runs[c].append((got["a"], got["b"]))
     out: dict[str, object] = {}
     for c, pairs in runs.items():
@@ -189,6 +196,61 @@ def scenario_scaling(args, tmp: Path) -> dict:
         "goal": ">= 1.7x",
         "met": ratio >= 1.7,
         **runs,
+    }
+
+
+def scenario_inference(args, tmp: Path) -> dict:
+    """The onnx-tiny model deployed as model.onnx, over the Open Inference Protocol."""
+    import inference
+
+    body = inference.bodies(tmp)
+    v2 = "/v2/models/lee101/digits/infer"
+    with polyserve(1, tmp / "inference") as a:
+        deploy(a.url, "lee101/digits", "model.onnx", inference.MODEL.read_bytes())
+        deploy(a.url, "lee101/onnx-tiny", "onnx-tiny.tar", onnx_tiny_tar())
+        own = a.url + "/s/lee101/onnx-tiny/"
+        for name, url in (("v2_json", a.url + v2), ("v2_binary", a.url + v2), ("own_json", own)):
+            body[name].check(url)
+        memory = inference.memory(a.url, ("lee101/digits", "lee101/onnx-tiny"), args.rounds * 4)
+        with inference.mlserver(tmp) as b:
+            mlserver_url = b.url + "/v2/models/digits/infer"
+            body["v2_json"].check(mlserver_url)
+            vs_mlserver = ab_rounds(
+                a.url + v2, mlserver_url, args, scripts=(body["v2_json"].script,) * 2
+            )
+        vs_own = ab_rounds(
+            a.url + v2,
+            own,
+            args,
+            connections=(32,),
+            scripts=(body["v2_json"].script, body["own_json"].script),
+        )
+        binary = ab_rounds(
+            a.url + v2,
+            a.url + v2,
+            args,
+            connections=(32,),
+            scripts=(body["v2_binary"].script, body["v2_json"].script),
+        )
+    goals = {
+        "mlserver_rps": vs_mlserver["c32"]["rps_ratio"] >= 10,
+        "mlserver_p50": vs_mlserver["c1"]["p50_ratio"] <= 0.1,
+        "own_json_rps": vs_own["c32"]["rps_ratio"] >= 1.5,
+        "binary_rps": binary["c32"]["rps_ratio"] >= 1.2,
+        "memory": memory["ratio"] <= 1.0,
+    }
+    return {
+        "a": "the onnx-tiny model deployed as model.onnx: V2 JSON infers on polyserve",
+        "b": f"{inference.MLSERVER} with a custom ONNX runtime class, one process; then"
+        " the example's hand-written JSON POST (same host); then V2 JSON against V2 binary",
+        "goal": "vs MLServer >= 10x throughput (-c 32), p50 <= 0.1x (-c 1); >= 1.5x the"
+        " example's JSON POST; binary >= 1.2x JSON; memory <= the Python space's",
+        "met": all(goals.values()),
+        "goals": goals,
+        **vs_mlserver,
+        "vs_own_json": vs_own,
+        "binary_vs_json": binary,
+        "memory": memory,
     }
 
 
@@ -549,6 +611,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
     "dependencies": scenario_dependencies,
     "model sharing": scenario_sharing,
     "memory cap": scenario_memory_cap,
+    "inference protocol": scenario_inference,
 }
 
 
