@@ -183,7 +183,8 @@ SETTINGS: tuple[Setting, ...] = (
         "request_timeout",
         positive_float,
         const(300.0),
-        "Seconds a request may take in a space before it is answered 504.",
+        "Seconds a request may wait for its response to start, a cold load of its space"
+        " included, before it is answered 504.",
     ),
     Setting(
         "worker_timeout",
