@@ -61,35 +61,26 @@ class Dispatch:
                 self.meter.end(slot if billed else None, started, error=failed)
 
         status = 500  # if anything below raises mid-way
+        # The deadline runs from here: a wait for a cold load (its own, or another
+        # request's of the same space) is part of the request's time.
+        task = self.deadlines.enter()
         try:
             try:
                 active = self.registry.lease_current(space) or await self.registry.lease(space)
-            except NotDeployed:
-                status = 404
-                body: dict[str, object] = {"error": f"space {space} is not deployed"}
-                return await answer(scope, receive, send, 404, {**body, "space": space})
-            except OtherPool as exc:
-                # Not this host's to run: the request is counted nowhere (slot is None).
-                status = await self._elsewhere(exc, scope, receive, send)
-                return
-            except NoRoom as exc:
-                # This host's space, refused for now: counted as a request and an error,
-                # like a failed load, so the usage shows what the cap costs a space.
-                slot, status = self.registry.slot_of(space), 503
-                body = {"error": str(exc), "space": space}
-                retry = {"retry-after": str(NO_ROOM_RETRY_S)}
-                return await answer(scope, receive, send, 503, body, retry)
-            except Exception as exc:
-                slot = self.registry.slot_of(space)
-                if isinstance(exc, loader.LoadError):
-                    body = exc.details
-                else:  # a bug of ours, or the data dir changed under us: still JSON
-                    log.exception("loading %s failed", space)
-                    body = {"error": f"space {space} could not be loaded; see the host log"}
-                return await answer(scope, receive, send, 500, {**body, "space": space})
+            except BaseException as exc:
+                timed_out = isinstance(exc, asyncio.CancelledError) and self.deadlines.expired(task)
+                self.deadlines.leave(task)  # no lease: what is left is the answer why
+                if not (timed_out or isinstance(exc, Exception)):
+                    raise  # the worker is stopping, or the client's connection is gone
+                if isinstance(exc, OtherPool):
+                    # Not this host's to run: the request is counted nowhere (slot is None).
+                    status = await self._elsewhere(exc, scope, receive, send)
+                    return
+                slot, status, body, headers = self._refusal(exc, space)
+                return await answer(scope, receive, send, status, body, headers)
             slot = active.slot
             try:
-                status = await self._call(active.imported, space, scope, receive, send, count)
+                status = await self._call(active.imported, space, scope, receive, send, count, task)
             finally:
                 # Counted before the lease ends: once the last lease on a deleted space's
                 # version ends, its slot may be handed to another space.
@@ -99,6 +90,34 @@ class Dispatch:
         finally:
             if not metered:  # a cancelled lease, a client gone: in flight drops all the same
                 count(status)
+
+    def _refusal(
+        self, exc: BaseException, space: str
+    ) -> tuple[int | None, int, dict[str, object], dict[str, str] | None]:
+        """What to answer a request that got no version of its space to serve: the slot
+        to count it in (None: counted nowhere), the status, the body and the headers."""
+        slot = self.registry.slot_of(space)
+        if isinstance(exc, asyncio.CancelledError):  # the deadline's: the wait for a load
+            # Counted as a request and an error, as a space's own 504 is. The load goes
+            # on (lease shields it) and serves the requests after this one.
+            error = (
+                f"space {space} was not loaded within {self.deadlines.timeout:g} s"
+                " (POLYSERVE_REQUEST_TIMEOUT); its load goes on: retry"
+            )
+            return slot, 504, {"error": error, "space": space}, None
+        if isinstance(exc, NotDeployed):
+            return None, 404, {"error": f"space {space} is not deployed", "space": space}, None
+        if isinstance(exc, NoRoom):
+            # This host's space, refused for now: counted as a request and an error, like
+            # a failed load, so the usage shows what the cap costs a space.
+            retry = {"retry-after": str(NO_ROOM_RETRY_S)}
+            return slot, 503, {"error": str(exc), "space": space}, retry
+        if isinstance(exc, loader.LoadError):
+            body = exc.details
+        else:  # a bug of ours, or the data dir changed under us: still JSON
+            log.error("loading %s failed", space, exc_info=exc)
+            body = {"error": f"space {space} could not be loaded; see the host log"}
+        return slot, 500, {**body, "space": space}, None
 
     async def _elsewhere(self, other: OtherPool, scope: Scope, receive: Receive, send: Send) -> int:
         """Another pool's space: 307 to a live host of that pool, else record the demand
@@ -143,8 +162,10 @@ class Dispatch:
         receive: Receive,
         send: Send,
         count: Callable[..., None],
+        task: asyncio.Task[object],
     ) -> int:
-        """Call the space; returns the status it answered (0 for a websocket)."""
+        """Call the space, under the deadline `task` entered; returns the status it
+        answered (0 for a websocket)."""
         status = 0
 
         async def tracking_send(message: Message) -> None:
@@ -167,11 +188,11 @@ class Dispatch:
         if kind != "model" and "polyserve.route" in scope:
             # An infer at the host's root (polyserve/inference.py) for a space that is
             # not a model: its own app never sees the protocol's path. Not billed.
+            self.deadlines.leave(task)
             count(404, billed=False)
             error = f"space {space} is not a model space: it has no inference protocol routes"
             await answer(scope, receive, send, 404, {"error": error, "space": space})
             return 404
-        task = self.deadlines.enter()
         # What the space prints and logs from here (and in the tasks and threads it
         # starts) is its own: one context variable set, the whole cost per request.
         speaking = spacelog.CURRENT.set(imported.log)

@@ -173,7 +173,8 @@ SETTINGS: tuple[Setting, ...] = (
         non_negative_int,
         default_worker_memory_mb,
         "Memory cap (MiB of anonymous RSS) of each worker: past it, a load first releases the"
-        " least recently used idle spaces, and a load that still does not fit is answered"
+        " least recently used idle spaces, then waits for the loads in flight and (up to"
+        " 1 s) for other spaces' requests to end; a load that still does not fit is answered"
         " 503 with Retry-After (0: no cap). The default takes the smaller of MemTotal and"
         " the cgroup v2 limit (/sys/fs/cgroup/memory.max) when one is set.",
         "min(MemTotal, memory.max) / 2 / POLYSERVE_WORKERS",
@@ -182,7 +183,8 @@ SETTINGS: tuple[Setting, ...] = (
         "request_timeout",
         positive_float,
         const(300.0),
-        "Seconds a request may take in a space before it is answered 504.",
+        "Seconds a request may wait for its response to start, a cold load of its space"
+        " included, before it is answered 504.",
     ),
     Setting(
         "worker_timeout",

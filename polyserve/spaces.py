@@ -4,8 +4,7 @@ TTL, least recently used under the worker's memory cap, on demand)."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import gc
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -13,7 +12,7 @@ from dataclasses import dataclass, field
 
 import anyio.to_thread
 
-from polyserve import loader
+from polyserve import heap, loader
 from polyserve.broadcast import Broadcast
 from polyserve.errors import ClientError
 from polyserve.meter import Cell, Meter, anon_bytes
@@ -26,10 +25,13 @@ COLLECT_INTERVAL_S = 1.0
 # collection it needs runs once per few loads rather than at every one.
 HEADROOM = 0.05
 NO_ROOM_RETRY_S = 1  # a busy space's requests end soon; then its memory can be let go
-
-
-# glibc's: hands freed heap pages back to the kernel. Other C libraries go without.
-_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+# A load short of room waits this long for other spaces' requests to end (their ends are
+# not signalled: end_lease is the warm path), checking every ROOM_POLL_S.
+ROOM_WAIT_S = 1.0
+ROOM_POLL_S = 0.01
+# What a load's memory is measured beside: nothing, spaces held, or a disturbance
+# (another load, or a space released meanwhile, whose memory lands in the measure).
+ALONE, BESIDE_SPACES, DISTURBED = 0, 1, 2
 
 
 class NotDeployed(Exception):
@@ -49,25 +51,13 @@ class OtherPool(Exception):
 
 class NoRoom(Exception):
     """A load would take the worker over its memory cap even with every idle space
-    released: the other spaces held (or the space's own old version, on a swap) have
-    requests in flight, or the space alone is bigger than the cap."""
+    released and the heap collected; `why` says what holds the memory (other spaces'
+    requests, its own draining old version, other loads, or the space itself)."""
 
-    def __init__(
-        self, space: str, memory: int, need: int, cap: int, busy: int, draining: bool
-    ) -> None:
-        mib = 1 << 20
-        busy_ones = [f"the {busy} other spaces it holds have requests in flight"] if busy else []
-        if draining:
-            busy_ones.append("its old version still has requests in flight (draining)")
-        why = (
-            f"{' and '.join(busy_ones)}; retry in {NO_ROOM_RETRY_S} s"
-            if busy_ones
-            else "it holds no other space: the cap is too small for this space"
-        )
+    def __init__(self, space: str, memory: int, cap: int, why: str) -> None:
         super().__init__(
             f"space {space} does not fit in this worker's memory now: it is at"
-            f" {memory // mib} MiB of its {cap // mib} MiB cap (POLYSERVE_WORKER_MEMORY_MB),"
-            f" the space's last load took {need // mib} MiB, and {why}"
+            f" {memory >> 20} MiB of its {cap >> 20} MiB cap (POLYSERVE_WORKER_MEMORY_MB), {why}"
         )
         self.space = space
 
@@ -103,6 +93,7 @@ class Registry:
         pool: str | None = None,
         memory_cap: int = 0,
         memory: Callable[[], int] = anon_bytes,
+        room_wait_s: float = ROOM_WAIT_S,
     ) -> None:
         self.store = store
         self.broadcast = broadcast
@@ -126,13 +117,32 @@ class Registry:
         # model mapped from its file, shared by every worker) the kernel can drop.
         self.memory_cap = memory_cap
         self.memory = memory
-        # What each space's latest load added: the estimate of its next one. Certain
-        # only when measured with nothing else held or loading (else the measure may
-        # include their memory): only a certain estimate refuses a load on its own.
+        heap.settle()  # what a collection frees must leave the RSS, whoever allocated it
+        # What each space's last measured load added: the estimate of its next one,
+        # with what it was measured beside. Certain only when measured alone (else the
+        # measure may include other spaces' memory): only a certain estimate refuses a
+        # load on its own. A load disturbed by another, or by a release, measures both,
+        # or misses its own memory behind what was freed: it replaces only an estimate
+        # as disturbed, and refuses nothing.
         self._sizes: dict[str, int] = {}
-        self._certain: set[str] = set()
-        # Loads being measured, each with whether another load overlapped it.
-        self._measuring: dict[str, bool] = {}
+        self._beside: dict[str, int] = {}
+        # Loads being measured, each with what it is measured beside; and each load's
+        # measure until its check is done, for what a refusal says.
+        self._measuring: dict[str, int] = {}
+        self._measured: dict[str, tuple[int, int]] = {}
+        # Loads let in that are importing, with the memory they are expected to add (not
+        # yet in the measure); loads imported and being checked against the cap; the
+        # requests waiting for a load, which keep the space they wait for from being
+        # released before they lease it. One room check at a time: two evicting at once
+        # would each release what the other's collection was about to free.
+        self._reserved: dict[str, int] = {}
+        self._checking: dict[str, int] = {}  # each with its turn: the later decides first
+        self._turns = itertools.count(1)
+        self._waiting: dict[str, int] = {}
+        self._room: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        # The least memory measured holding nothing: the worker's own, as far as it knows.
+        self._floor: int | None = None
+        self.room_wait_s = room_wait_s
         # Another pool's spaces, with the generation at which that was found: until the
         # word moves (a deploy or a delete), a request for one is sent elsewhere at once.
         self._other_pool: dict[str, tuple[int, str]] = {}
@@ -174,7 +184,14 @@ class Registry:
             # Stale or absent. A load started for an older generation may finish with
             # an older version, so wait for it and look again rather than trust it.
             task = self._loading.get(space) or self._start_load(space, slot, generation)
-            await asyncio.shield(task)  # a caller that gives up must not cancel the load
+            self._waiting[space] = self._waiting.get(space, 0) + 1
+            try:
+                await asyncio.shield(task)  # a caller that gives up must not cancel the load
+            finally:
+                if self._waiting[space] == 1:
+                    del self._waiting[space]
+                else:
+                    self._waiting[space] -= 1
 
     def end_lease(self, active: Active) -> None:
         active.inflight -= 1
@@ -258,7 +275,7 @@ class Registry:
         memory_before = 0
         try:
             if self.memory_cap:
-                await self._make_room(space, self._sizes.get(space, 0))
+                await self._make_room(space, self._sizes.get(space, 0), imported=False)
                 memory_before = self.memory()
                 self._measure(space)
             # Taken after making room: other tenants' shutdowns are not this load's time.
@@ -278,28 +295,34 @@ class Registry:
             await loader.start(imported, self.start_timeout)
         except BaseException:
             self._measuring.pop(space, None)
+            self._reserved.pop(space, None)
             self._unhold(space, slot, version.number)
             raise
         # Memory the load added: approximate when other work runs at the same time.
         self.meter.loaded(slot, started_us, anon_bytes() - anon_before)
         if self.memory_cap:
-            self._sizes[space] = max(self.memory() - memory_before, 0)
-            if self._measuring.pop(space):
-                self._certain.discard(space)
-            else:
-                self._certain.add(space)
+            beside = self._measuring.pop(space)
+            added = max(self.memory() - memory_before, 0)
+            self._measured[space] = (added, beside)
+            if beside < DISTURBED or self._beside.get(space, DISTURBED) == DISTURBED:
+                self._sizes[space], self._beside[space] = added, beside
+            self._reserved.pop(space, None)  # what it added is in the measure now
         now = self.clock()
         active = Active(imported, version, slot, generation, releases, last_used=now)
         if self.memory_cap:
-            # Checked before the switch, so that no request leases a version that may
-            # be refused: until then they wait for this load.
+            # Checked before the switch, so that no request leases a version that may be
+            # refused: until then they wait for this load.
+            self._checking[space] = next(self._turns)
             try:  # the estimate was only that: the load may have taken more
-                await self._make_room(space, 0)
-            except NoRoom:
+                await self._make_room(space, 0, imported=True)
+            except BaseException:
                 dropping = [self._retire(active)]  # never leased: dropped at once
                 del active, imported  # nothing may keep them from the collection
                 await self._collect_after([t for t in dropping if t is not None])
                 raise
+            finally:
+                del self._checking[space]
+                self._measured.pop(space, None)
         # The switch: from here on new requests get the new version.
         current = self.active.get(space)  # not if the reaper or _make_room retired it
         self.active[space] = active
@@ -315,38 +338,151 @@ class Registry:
         return active
 
     def _measure(self, space: str) -> None:
-        """Start measuring a load: it, and every load it overlaps, measure uncertainly."""
-        others = bool(self._measuring) or any(name != space for name in self.active)
-        for name in self._measuring:
-            self._measuring[name] = True
-        self._measuring[space] = others
+        """Start measuring a load: beside the spaces held; it and every load it overlaps
+        are disturbed."""
+        others = bool(self._measuring)
+        self._disturb()
+        spaces = any(name != space for name in self.active)
+        self._measuring[space] = DISTURBED if others else BESIDE_SPACES if spaces else ALONE
 
-    async def _make_room(self, space: str, need: int) -> None:
-        """For a load of `space`: release its own old version if idle (a swap's: no
-        request can lease it any more), then the least recently used idle spaces (never
-        one loading or with a request in flight) until memory plus `need` is under the
-        cap. NoRoom when that is not possible; before the import (`need` an estimate),
-        only if the rest is busy or the estimate is certain."""
+    def _disturb(self) -> None:
+        for name in self._measuring:
+            self._measuring[name] = DISTURBED
+
+    async def _make_room(self, space: str, need: int, imported: bool) -> None:
+        """Room for `space` under the cap: memory, plus what the loads let in are still
+        to import, plus `need`. Before the import `need` is the estimate, and the load
+        is let in with it; after, the load's memory is in the measure and `need` is 0.
+
+        Short of room, it first collects a heap with drops not yet collected, then
+        releases the space's own old version if idle (a swap's: no request can lease it
+        any more), then the least recently used idle spaces (never one loading, in
+        flight or waited for) down to HEADROOM under the cap, and collects. Then it
+        waits for what will free memory: the loads let in (after its own import, only
+        those still importing, and those checked after it, which decide first: so no
+        two loads wait for each other), up to start_timeout after the last of them
+        ended, and other spaces' requests, up to room_wait_s. NoRoom when they do not
+        let it go in time, or there is nothing to wait for; before the import, only if
+        memory alone is over the cap or the estimate can be trusted (else it imports
+        and sees)."""
         cap = self.memory_cap
-        while (memory := self.memory()) + need > cap:
+        collected = False
+        busy_since: float | None = None
+        waited_for: set[str] = set()
+        loads_since = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            async with self._room_lock():
+                memory = self.memory()
+                if not (imported or self.active or self._reserved or self._checking):
+                    self._floor = memory if self._floor is None else min(self._floor, memory)
+                coming = sum(n for name, n in self._reserved.items() if name != space)
+                if memory + coming + need <= cap:
+                    if not imported:
+                        self._reserved[space] = need
+                    return
+                if self._collect_at is not None:  # drops whose memory is not back yet
+                    await self._collect_after([])
+                    continue
+                dropping = self._release(space, memory + coming + need - int(cap * (1 - HEADROOM)))
+                if dropping or not collected:
+                    await self._collect_after(dropping)
+                    collected = True
+                    continue
             old = self.active.get(space)
             draining = old is not None and old.inflight > 0
-            if old is not None and not draining:
-                dropping = [self._retire(old)]  # a swap: not an eviction, nor a release
-                del old
+            del old  # a reference here would keep a dropped version from the collection
+            busy = [name for name in self.active if name != space]  # none of them idle
+            checked = self._checking.get(space, 0)
+            if imported:
+                loads = [name for name in self._reserved if name != space]
+                loads += [name for name, n in self._checking.items() if n > checked]
             else:
-                del old
-                # Down to HEADROOM under the cap, so the next loads need no collection.
-                dropping = self._evict(space, memory + need - int(cap * (1 - HEADROOM)))
-            tasks = [t for t in dropping if t is not None]
-            if not tasks:
-                busy = sum(name != space for name in self.active)
-                if need and not busy and not draining and space not in self._certain:
-                    return  # an estimate measured beside other loads: import and see
-                # The size it says: the estimate, or after a load, the load's.
-                size = need or self._sizes.get(space, 0)
-                raise NoRoom(space, memory, size, cap, busy, draining)
-            await self._collect_after(tasks)
+                loads = [*self._reserved, *self._checking]
+            refusal: NoRoom | None = None
+            waited = True  # what holds the room was waited for, and did not let it go
+            if loads:
+                # A load takes as long as its import may (a hung one must not hold
+                # every other load back for ever), counted from the last that ended.
+                if set(loads) != waited_for:
+                    waited_for, loads_since = set(loads), loop.time()
+                if loop.time() - loads_since >= self.start_timeout:
+                    refusal = self._no_room(space, memory, imported, busy, draining, len(loads))
+            elif busy or draining:
+                busy_since = loop.time() if busy_since is None else busy_since
+                if loop.time() - busy_since >= self.room_wait_s:
+                    refusal = self._no_room(space, memory, imported, busy, draining, 0)
+            else:
+                others = len(self._checking) - (space in self._checking)  # checked before
+                refusal = self._no_room(space, memory, imported, [], False, others)
+                waited = False
+            if refusal is not None:
+                # An estimate refuses on its own only if measured alone; after a wait,
+                # also one measured beside other spaces. Else it may be far off: import
+                # and see, and let the check after the import refuse if need be.
+                beside = self._beside.get(space, DISTURBED)
+                trusted = beside == ALONE or (waited and beside == BESIDE_SPACES)
+                if imported or memory > cap or trusted:
+                    raise refusal
+                self._reserved[space] = need
+                return
+            await asyncio.sleep(ROOM_POLL_S)
+
+    def _no_room(
+        self,
+        space: str,
+        memory: int,
+        imported: bool,
+        busy: list[str],
+        draining: bool,
+        loads: int,
+    ) -> NoRoom:
+        """NoRoom, saying what holds the memory that keeps the space out."""
+        if imported and space in self._measured:
+            size, beside = self._measured[space]
+            took = f"this load added {size >> 20} MiB"
+        elif space in self._sizes:
+            size, beside = self._sizes[space], self._beside[space]
+            took = f"the space's last measured load took {size >> 20} MiB"
+        else:
+            size, beside, took = 0, ALONE, "the space has not been measured here yet"
+        if beside != ALONE:
+            took += f", measured beside other {'spaces' if beside == BESIDE_SPACES else 'work'}"
+        holding = [f"the {len(busy)} other spaces it holds have requests in flight"] if busy else []
+        if draining:
+            holding.append("its old version still has requests in flight (draining)")
+        if loads:
+            holding.append(f"{loads} other loads in flight take memory too")
+        own = memory - (size if imported else 0)  # the worker's, without the space
+        floor = own if self._floor is None else min(self._floor, own)
+        if holding:
+            why = f"{' and '.join(holding)}; retry in {NO_ROOM_RETRY_S} s"
+        elif floor + size > self.memory_cap:
+            why = "it holds no other space and loads none: this space alone takes it over the cap"
+        else:
+            why = (
+                f"it holds no other space and loads none, yet memory no space holds keeps it"
+                f" over the cap: {(own - floor) >> 20} MiB more than it had holding nothing"
+            )
+        return NoRoom(space, memory, self.memory_cap, f"{took}, and {why}")
+
+    def _room_lock(self) -> asyncio.Lock:
+        """The room check's lock, for the running loop (an asyncio lock is bound to one)."""
+        loop = asyncio.get_running_loop()
+        if self._room is None or self._room[0] is not loop:
+            self._room = (loop, asyncio.Lock())
+        return self._room[1]
+
+    def _release(self, space: str, excess: int) -> list[asyncio.Task[None]]:
+        """Drop tasks of what _make_room lets go: the space's own idle old version, else
+        idle spaces (_evict)."""
+        old = self.active.get(space)
+        if old is not None and old.inflight == 0:
+            dropping = [self._retire(old)]  # a swap: not an eviction, nor a release
+        else:
+            dropping = self._evict(space, excess)
+        del old
+        return [t for t in dropping if t is not None]
 
     def _evict(self, space: str, excess: int) -> list[asyncio.Task[None] | None]:
         """Retire idle spaces, least recently used first, as many as their last loads
@@ -356,7 +492,10 @@ class Registry:
         idle = [
             a
             for name, a in self.active.items()
-            if a.inflight == 0 and name != space and name not in self._loading
+            if a.inflight == 0
+            and name != space
+            and name not in self._loading
+            and name not in self._waiting
         ]
         idle.sort(key=lambda a: a.last_used)
         dropping = []
@@ -371,7 +510,8 @@ class Registry:
     async def _collect_after(self, dropping: list[asyncio.Task[None]]) -> None:
         """Wait for dropped spaces to stop, then collect at once: freed memory leaves the
         RSS only after the cycle collector and malloc_trim, and the cap reads the RSS."""
-        await asyncio.gather(*dropping, return_exceptions=True)
+        if dropping:
+            await asyncio.gather(*dropping, return_exceptions=True)
         if self._collect_at is not None:
             self._collect_at.cancel()
         self._collect()
@@ -420,6 +560,7 @@ class Registry:
 
     def _retire(self, active: Active) -> asyncio.Task[None] | None:
         """Stop serving `active`; its drop task if it was dropped at once (idle)."""
+        self._disturb()  # what it frees would make the loads being measured look smaller
         if self.active.get(active.imported.space) is active:
             del self.active[active.imported.space]
         active.retired = True
@@ -458,9 +599,8 @@ class Registry:
 
     def _collect(self) -> None:
         self._collect_at = None
-        gc.collect()
-        if _malloc_trim is not None:  # so that RSS falls too
-            _malloc_trim(0)
+        self._disturb()
+        heap.collect()  # so that RSS falls too
         self._collected = asyncio.get_running_loop().time()
 
     # -- broadcast signal and idle release ------------------------------------------------

@@ -685,3 +685,145 @@ def test_a_load_is_billed_its_own_time_not_the_evictions_it_waited_for(capped, m
     assert capped.cell("o/a", Cell.LAST_IMPORT_US) == 0  # the clock stands still in imports
     after_eviction = int((TTL + 15) * 1_000_000)
     assert capped.cell("o/a", Cell.LOADED_SINCE_US) == after_eviction
+
+
+def test_cold_loads_of_known_size_are_let_in_only_while_they_fit_together(capped, tmp_path):
+    """Three 4 MiB spaces of known size under a 10 MiB cap, none held, asked for at once
+    (each import waits for another's memory, or for the test): a load is let in only
+    if it fits beside the loads in flight, the others wait for room, the worker never
+    holds more than its cap, and none is refused."""
+    go = tmp_path / "go"
+    for name in ("o/a", "o/b", "o/c"):
+        capped.deploy(
+            name,
+            "import os, time\nfrom tests.helpers import Ballast\nBLOB = Ballast(4)\n"
+            f"while Ballast.held() < {8 * MIB} and not os.path.exists({str(go)!r}):\n"
+            "    time.sleep(0.001)\n" + version(1),
+        )
+
+    async def main():
+        go.touch()
+        await calls_at(capped, (1.0, "o/a"), (2.0, "o/b"), (3.0, "o/c"))  # their sizes
+        await capped.reap_at(TTL + 4)
+        gc.collect()  # what the deferred collection would do
+        assert capped.registry.active == {} and Ballast.held() == 0
+        go.unlink()
+        Ballast.peak = 0
+        calls = asyncio.gather(*(capped.call(name) for name in ("o/a", "o/b", "o/c")))
+        for _ in range(20):  # the loads are let in, or wait
+            await asyncio.sleep(0)
+        go.touch()  # for a load let in alone
+        return await calls
+
+    assert run(main()) == [1, 1, 1]
+    assert Ballast.peak <= 10 * MIB
+    assert len(capped.registry.active) == 2 and Ballast.held() == 8 * MIB
+
+
+def test_loads_imported_together_over_the_cap_refuse_one_saying_so(capped):
+    """Three first loads of 4 MiB under a 10 MiB cap, each import waiting until all three
+    hold their memory: the last one checked is refused, saying the other loads hold
+    memory (not that the cap is too small), and the other two are served."""
+    for name in ("o/a", "o/b", "o/c"):
+        capped.deploy(
+            name,
+            "import time\nfrom tests.helpers import Ballast\nBLOB = Ballast(4)\n"
+            f"while Ballast.held() < {12 * MIB}:\n    time.sleep(0.001)\n" + version(1),
+        )
+
+    async def main():
+        calls = (capped.call(name) for name in ("o/a", "o/b", "o/c"))
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    answers = run(main())
+    refused = [a for a in answers if isinstance(a, NoRoom)]
+    assert len(refused) == 1 and answers.count(1) == 2, answers
+    assert "2 other loads in flight take memory too" in str(refused[0])
+    assert len(capped.registry.active) == 2 and Ballast.held() == 8 * MIB
+
+
+def test_a_load_short_of_room_waits_for_another_spaces_request_to_end(capped):
+    """With the only other space in flight, a load of known size that needs its memory
+    waits for that request to end, then releases it, instead of being refused at once."""
+    capped.registry.room_wait_s = 60.0  # the loop's turns below take far less
+    capped.deploy("o/a", ballast(4))
+    capped.deploy("o/big", ballast(7))
+
+    async def main():
+        assert await capped.call("o/big") == 1  # its size, measured alone
+        await capped.reap_at(TTL + 1)
+        gc.collect()
+        held = await capped.registry.lease("o/a")
+        load = asyncio.ensure_future(capped.call("o/big"))
+        for _ in range(20):  # the load starts, finds no room before importing, and waits
+            await asyncio.sleep(0)
+        assert not load.done()
+        capped.registry.end_lease(held)
+        del held  # as a finished request's
+        return await load
+
+    assert run(main()) == 1
+    assert sorted(capped.registry.active) == ["o/big"] and evictions(capped, "o/a") == (0, 1, 0)
+
+
+def test_a_load_waits_for_a_hung_import_only_as_long_as_an_import_may_take(capped, tmp_path):
+    """A load short of room while another space's import hangs waits for it up to the
+    start timeout, then is refused saying a load in flight takes the memory."""
+    go = tmp_path / "go"
+    capped.registry.start_timeout = 0.2
+    capped.deploy(
+        "o/hang",
+        "import os, time\nfrom tests.helpers import Ballast\nBLOB = Ballast(4)\n"
+        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.001)\n" + version(1),
+    )
+    capped.deploy("o/b", ballast(8))
+
+    async def main():
+        assert await capped.call("o/b") == 1  # its size, measured alone
+        await capped.reap_at(TTL + 1)
+        gc.collect()
+        hang = asyncio.ensure_future(capped.call("o/hang"))
+        try:
+            while Ballast.held() < 4 * MIB:  # its import holds its memory, and hangs
+                await asyncio.sleep(0.001)
+            with pytest.raises(NoRoom, match="1 other loads in flight take memory too"):
+                await capped.registry.lease("o/b")
+        finally:
+            go.touch()  # else its thread outlives the test
+        return await hang
+
+    assert run(main()) == 1
+
+
+def test_a_size_measured_while_a_space_was_released_does_not_replace_the_estimate(capped, tmp_path):
+    """o/x measured alone at 4 MiB; its next load, during which idle o/y (6 MiB) is
+    released, measures 0 MiB (o/y's memory left while o/x's came): the estimate stays
+    4 MiB."""
+    started, go = tmp_path / "started", tmp_path / "go"
+    capped.deploy(
+        "o/x",
+        "import os, time\nfrom tests.helpers import Ballast\nBLOB = Ballast(4)\n"
+        f"if os.path.exists({str(started)!r}):\n"
+        f"    while not os.path.exists({str(go)!r}):\n        time.sleep(0.001)\n"
+        f"open({str(started)!r}, 'w').close()\n" + version(1),
+    )
+    capped.deploy("o/y", ballast(6))
+
+    async def main():
+        await capped.call("o/x")  # measured alone
+        await capped.reap_at(TTL + 1)
+        gc.collect()
+        capped.clock.now = TTL + 2
+        await capped.call("o/y")
+        x = asyncio.ensure_future(capped.call("o/x"))
+        try:
+            while Ballast.held() < 10 * MIB:  # o/x's second import holds its memory
+                await asyncio.sleep(0.001)
+            await capped.reap_at(2 * TTL + 3)  # o/y goes, while o/x is measured
+            gc.collect()
+        finally:
+            go.touch()
+        return await x
+
+    assert run(main()) == 1
+    assert capped.registry._sizes["o/x"] == 4 * MIB
