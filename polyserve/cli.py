@@ -246,11 +246,15 @@ def _hosts(body: dict[str, Any]) -> str:
 
 def _lagging(status: int, body: dict[str, Any]) -> None:
     if status == 202:
-        lagging = ", ".join(body.get("hosts", {}).get("lagging", []))
-        click.echo(
-            f"warning: committed, but these live hosts have not applied it yet: {lagging}",
-            err=True,
-        )
+        hosts = body.get("hosts", {})
+        if hosts.get("lagging"):
+            lagging = ", ".join(hosts["lagging"])
+            click.echo(
+                f"warning: committed, but these live hosts have not applied it yet: {lagging}",
+                err=True,
+            )
+        for host, error in hosts.get("skipped", {}).items():
+            click.echo(f"warning: committed, but host {host} cannot apply it: {error}", err=True)
         sys.exit(EXIT_LAGGING)
 
 
