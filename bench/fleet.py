@@ -123,7 +123,9 @@ def fleet_usage(tmp: Path, url: str, spaces: int) -> dict:
     db = FleetDB(url)
     totals = {f"bench/u{i}": (i, 0, 1000 * i, 10**6, 1, 500) for i in range(spaces)}
     for host in "xyz":
-        db.write_usage(host, "boot-1", totals)
+        # Only a host's current boot writes its rows (the ledger's fence): join first.
+        db.join(host, f"http://{host}.invalid", "cpu", "boot-1")
+        assert db.write_usage(host, "boot-1", totals)
     db.close()
     times = []
     (host,) = fleet_hosts(tmp, url, ["u"])
