@@ -7,6 +7,7 @@ Needs Debian's PostgreSQL (initdb, pg_ctl); prints one JSON object. Run by `make
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import tempfile
@@ -17,7 +18,7 @@ import harness
 import httpx2
 
 sys.path.insert(0, str(harness.REPO))
-from polyserve.fleet.db import FleetDB
+from polyserve.fleet.db import Fit, FleetDB
 from tests.postgres import PostgresServer, find_bindir
 
 
@@ -93,7 +94,8 @@ def catch_up(tmp: Path, url: str, versions: int) -> dict:
     (host,) = fleet_hosts(tmp, url, ["late"])
     host.stop()
     for i in range(versions):  # straight into the fleet: validation is not what is timed
-        db.deploy(f"bench/c{i % 100}", source(i), _sha(source(i)), _meta(i))
+        upload = io.BytesIO(source(i))
+        db.deploy(f"bench/c{i % 100}", upload, _sha(source(i)), _meta(i), Fit("bench", 30, 0))
     last = db.last_change()
     t0 = time.perf_counter()
     (host,) = fleet_hosts(tmp, url, ["late"])
@@ -121,7 +123,9 @@ def fleet_usage(tmp: Path, url: str, spaces: int) -> dict:
     db = FleetDB(url)
     totals = {f"bench/u{i}": (i, 0, 1000 * i, 10**6, 1, 500) for i in range(spaces)}
     for host in "xyz":
-        db.write_usage(host, "boot-1", totals)
+        # Only a host's current boot writes its rows (the ledger's fence): join first.
+        db.join(host, f"http://{host}.invalid", "cpu", "boot-1")
+        assert db.write_usage(host, "boot-1", totals)
     db.close()
     times = []
     (host,) = fleet_hosts(tmp, url, ["u"])

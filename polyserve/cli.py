@@ -295,10 +295,15 @@ def _lagging(status: int, body: dict[str, Any]) -> None:
         hosts = body.get("hosts", {})
         if hosts.get("unknown"):
             warning = hosts.get("error") or "committed, but which hosts applied it is unknown"
-        else:
-            lagging = ", ".join(hosts.get("lagging", []))
-            warning = f"committed, but these live hosts have not applied it yet: {lagging}"
-        click.echo(f"warning: {warning}", err=True)
+            click.echo(f"warning: {warning}", err=True)
+        if hosts.get("lagging"):
+            lagging = ", ".join(hosts["lagging"])
+            click.echo(
+                f"warning: committed, but these live hosts have not applied it yet: {lagging}",
+                err=True,
+            )
+        for host, error in hosts.get("skipped", {}).items():
+            click.echo(f"warning: committed, but host {host} cannot apply it: {error}", err=True)
         sys.exit(EXIT_LAGGING)
 
 

@@ -79,9 +79,8 @@ class Deploys:
                 meta = {**checked, "space": space, "sha256": staged.sha256, "size": staged.size}
                 meta |= {"entry": staged.entry, "pool": staged.pool, "upload": filename}
                 meta["deployed_at"] = time.time()
-                upload.seek(0)
                 change = await self.fleet.run(
-                    self.fleet.db.deploy, space, upload.read(), staged.sha256, meta
+                    self.fleet.deploy, space, upload, staged.sha256, meta, staged.unpacked
                 )
                 number = change.version or 0
         finally:

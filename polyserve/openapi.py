@@ -44,6 +44,10 @@ _WRITE_ERRORS = {
     "401": _error("a token is required, or the one sent is not valid"),
     "403": _error("this client or token may not write this space"),
 }
+_FLEET_202 = (
+    "a fleet: committed, but `hosts.lagging` have not applied it yet, or `hosts.skipped`"
+    " cannot (each with its reason)"
+)
 
 
 def _space_write(summary: str, done: str) -> dict[str, Any]:
@@ -90,12 +94,19 @@ SPEC: dict[str, Any] = {
                 },
                 "responses": {
                     "200": _json("published", {"$ref": "#/components/schemas/Deployed"}),
+                    "202": _json(_FLEET_202, {"$ref": "#/components/schemas/Deployed"}),
                     **_WRITE_ERRORS,
                     "400": _error("the body is not a readable form"),
-                    "413": _error("the upload or what it unpacks to is too large"),
+                    "413": _error(
+                        "the upload or what it unpacks to is too large (in a fleet: for a live"
+                        " host, named in `hosts`)"
+                    ),
                     "422": _error("the space name or the module is not acceptable, and why"),
                     "424": _error("the package index did not answer for its dependencies"),
-                    "507": _error("no room: the space table or the disk is full"),
+                    "507": _error(
+                        "no room: the space table or the disk is full (in a fleet: a live"
+                        " host's table, named in `hosts`)"
+                    ),
                 },
             }
         },
@@ -160,10 +171,7 @@ SPEC: dict[str, Any] = {
                 },
                 "responses": {
                     "200": _json("rolled back", {"$ref": "#/components/schemas/RolledBack"}),
-                    "202": _json(
-                        "a fleet: committed, but `lagging` hosts have not applied it yet",
-                        {"$ref": "#/components/schemas/RolledBack"},
-                    ),
+                    "202": _json(_FLEET_202, {"$ref": "#/components/schemas/RolledBack"}),
                     **_WRITE_ERRORS,
                     "404": _error("the space is not deployed, or that version is not kept"),
                     "413": _error("the body is larger than a rollback's body can be"),
@@ -377,7 +385,10 @@ SPEC: dict[str, Any] = {
                     "entry": {"type": "string"},
                     "kind": {"enum": ["app", "wsgi", "handle"]},
                     "import_ms": {"type": "number"},
-                    "hosts": {"type": "object", "description": "in a fleet: applied, live"},
+                    "hosts": {
+                        "type": "object",
+                        "description": "in a fleet: applied, live; lagging and skipped (a 202)",
+                    },
                 },
             },
             "Logs": {

@@ -55,6 +55,7 @@ class Staged:
     sha256: str
     size: int
     pool: str = DEFAULT_POOL  # the manifest's: which hosts of a fleet serve it
+    unpacked: int = 0  # what its tar unpacked to, as POLYSERVE_MAX_UNPACKED_MB counts it
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class Version:
     entry: str
     pool: str = DEFAULT_POOL  # in a fleet, only a host of this pool imports it
     deps: Path | None = None  # its installed dependency set (polyserve/deps.py), if any
+    # Which upload's files these are: a fleet whose database went back in time hands a
+    # number out again, and a worker holding the old files must then load the new ones.
+    sha256: str | None = None
 
 
 class Store:
@@ -98,11 +102,11 @@ class Store:
             staging = Path(tempfile.mkdtemp(dir=self.staging_dir))
         try:
             with _disk_full_is_507():
-                manifest = unpack_upload(upload, staging, filename, max_unpacked)
+                manifest, unpacked = unpack_upload(upload, staging, filename, max_unpacked)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        return Staged(staging, manifest.entry, digest, size, manifest.pool)
+        return Staged(staging, manifest.entry, digest, size, manifest.pool, unpacked)
 
     def discard(self, staged: Staged) -> None:
         shutil.rmtree(staged.dir, ignore_errors=True)
@@ -157,11 +161,17 @@ class Store:
 
     def install(self, space: str, number: int, staged: Staged) -> bool:
         """Move a stage into place as version `number`, unless that version's files are
-        there already (a fleet host fetching what it has). Hold locked(); returns
-        whether this call put them there."""
+        there already (a fleet host fetching what it has). Files under that number whose
+        metadata names another upload, or none, are not reused but replaced: a fleet
+        whose database went back in time hands a number out again. Hold locked();
+        returns whether this call put them there."""
         version_dir = self.space_dir(space) / "versions" / str(number)
-        if version_dir.is_dir():
+        if self.has_files(space, number, staged.sha256):
             return False
+        self._drop_files(space, number)
+        known = self.meta(space, number)
+        if known is not None and known.get("sha256") != staged.sha256:
+            (self.space_dir(space) / "versions" / f"{number}.json").unlink()
         with _disk_full_is_507():
             version_dir.parent.mkdir(parents=True, exist_ok=True)
             os.rename(staged.dir, version_dir)
@@ -184,6 +194,11 @@ class Store:
             slot = self.slots.slot(space)
             if slot is None:
                 slot = self.slots.allocate(space, self._deleted, reclaim, sync=sync)
+            known = self.meta(space, number)
+            if known is not None and known.get("sha256") != meta.get("sha256"):
+                # Files of another upload under this number (a fleet that went back in
+                # time): fetched again on first use rather than served.
+                self._drop_files(space, number)
             (sdir / "versions").mkdir(parents=True, exist_ok=True)
             write_atomic(sdir / "versions" / f"{number}.json", json.dumps(meta).encode())
             previous = _current_number(sdir)
@@ -228,6 +243,19 @@ class Store:
             return None
         self.record(space, "delete", None, previous)
         return self.slots.slot(space)
+
+    def has_files(self, space: str, number: int, sha256: str) -> bool:
+        """Whether version `number`'s files are on disk, and are those of the upload
+        with this sha256 (as its metadata says)."""
+        known = self.meta(space, number)
+        files = self.space_dir(space) / "versions" / str(number)
+        return known is not None and known.get("sha256") == sha256 and files.is_dir()
+
+    def _drop_files(self, space: str, number: int) -> None:
+        files = self.space_dir(space) / "versions" / str(number)
+        if files.is_dir():
+            log.warning("%s v%d: the files on disk are not this upload's: dropped", space, number)
+            shutil.rmtree(files)
 
     def _deleted(self, space: str) -> bool:
         return not os.path.lexists(self.space_dir(space) / "current")
@@ -352,8 +380,10 @@ class Store:
             if isinstance(declared, dict)
             else None
         )
+        files = sdir / "versions" / str(number)
+        sha256 = meta.get("sha256")
         return Version(
-            space, number, sdir / "versions" / str(number), str(meta["entry"]), pool, deps
+            space, number, files, str(meta["entry"]), pool, deps, str(sha256) if sha256 else None
         )
 
     def meta(self, space: str, number: int) -> dict[str, object] | None:

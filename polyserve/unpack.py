@@ -53,9 +53,12 @@ class Manifest:
     pool: str = DEFAULT_POOL
 
 
-def unpack_upload(upload: BinaryIO, dest: Path, filename: str, max_unpacked: int) -> Manifest:
+def unpack_upload(
+    upload: BinaryIO, dest: Path, filename: str, max_unpacked: int
+) -> tuple[Manifest, int]:
     """Write an upload into the empty directory dest and return its manifest (a single .py
-    has none: its entry is itself, its pool the default).
+    has none: its entry is itself, its pool the default) and the bytes its tar unpacked
+    to as the cap counts them (0 for a .py, which the cap does not cover).
 
     Raises ClientError (4xx) for a refused upload and lets a disk-full OSError through; the
     caller removes dest on any error, so files written before a check fails are harmless.
@@ -64,16 +67,17 @@ def unpack_upload(upload: BinaryIO, dest: Path, filename: str, max_unpacked: int
         # Keep the uploaded name, so errors and tracebacks name the user's file.
         entry = filename if _SOURCE_NAME.fullmatch(filename) else "main.py"
         _write_source(upload, dest / entry, filename)
-        return Manifest(entry)
+        return Manifest(entry), 0
     if filename.endswith(".onnx"):  # a model space: the host serves the file itself
         _write_model(upload, dest / MODEL_FILE, filename)
-        return Manifest(MODEL_FILE)
-    extract_tar(upload, dest, max_unpacked, filename)
-    return _read_manifest(dest)
+        return Manifest(MODEL_FILE), 0
+    unpacked = extract_tar(upload, dest, max_unpacked, filename)
+    return _read_manifest(dest), unpacked
 
 
-def extract_tar(upload: BinaryIO, dest: Path, max_unpacked: int, filename: str) -> None:
-    """Stream a plain or gzip tar into dest, member by member, within every cap."""
+def extract_tar(upload: BinaryIO, dest: Path, max_unpacked: int, filename: str) -> int:
+    """Stream a plain or gzip tar into dest, member by member, within every cap; returns
+    the bytes of tar read (headers included), which is what the cap counts."""
     upload.seek(0)
     compressed = upload.read(len(_GZIP_MAGIC)) == _GZIP_MAGIC
     upload.seek(0)
@@ -119,6 +123,7 @@ def extract_tar(upload: BinaryIO, dest: Path, max_unpacked: int, filename: str) 
     finally:
         if compressed:
             source.close()  # not the upload: GzipFile leaves a passed-in file open
+    return stream.count
 
 
 class _Counted:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import anyio
 
-from polyserve.fleet.db import Change, FleetDB, Unreachable, threaded
+from polyserve.fleet.db import Change, Fit, FleetDB, Unreachable, threaded
 from polyserve.fleet.follower import APPLIED, fetch_version, read_applied
 from polyserve.settings import Settings
 from polyserve.store import Store, Version
@@ -40,35 +40,52 @@ class FleetClient:
 
     async def applied(self, change: Change) -> tuple[int, dict[str, object]]:
         """Wait until every live host, this one included, has applied the committed
-        change, or POLYSERVE_DEPLOY_WAIT_S has passed: (200 or 202, the `hosts` part of
-        the answer). The change is committed whatever the database does now: a read of
-        the hosts that fails is tried again until the deadline, and a deadline met
-        without one is a 202 whose hosts are unknown, never a 503 (whose "retry" would
-        commit the change twice)."""
+        change (or skipped it: it could not), or POLYSERVE_DEPLOY_WAIT_S has passed: (200,
+        or 202 when some host lags or skipped it; the `hosts` part of the answer). The
+        change is committed whatever the database does now: a read of the hosts that
+        fails is tried again until the deadline, and a deadline met without one is a 202
+        whose hosts are unknown, never a 503 (whose "retry" would commit the change
+        twice)."""
         s = self.settings
         deadline = time.monotonic() + s.deploy_wait_s
         while True:
             try:
                 hosts = await self.run(self.db.hosts, s.fleet_live_s)
+                skips = await self.run(self.db.skipped, change)
             except Unreachable:
                 hosts = None  # a restart, a stall: read again until the deadline
             if hosts is not None:
-                live = [h for h in hosts if h["live"]]
-                lagging = [h["id"] for h in live if h["applied"] < change.id]
-                if s.host_id not in {h["id"] for h in live}:
+                # What each live host acknowledged (only a change whose token it applied).
+                live = {h["id"]: h["applied"] for h in hosts if h["live"]}
+                skipped = {h: skips[h][0]["error"] for h in skips if h in live or h == s.host_id}
+                lagging = [h for h, applied in live.items() if applied < change.id]
+                if s.host_id not in live:
                     lagging.append(s.host_id)  # not following the fleet right now: say so
+                lagging = [h for h in lagging if h not in skipped]
                 if not lagging:
-                    return 200, {"applied": len(live), "live": len(live)}
+                    break
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(WAIT_POLL_S)
         if hosts is None:
             return 202, {"unknown": True, "error": HOSTS_UNKNOWN}
-        return 202, {
-            "applied": len(live) - len(lagging),
-            "live": len(live),
-            "lagging": sorted(lagging),
-        }
+        done = [h for h, applied in live.items() if applied >= change.id and h not in skipped]
+        body: dict[str, object] = {"applied": len(done), "live": len(live)}
+        if lagging:
+            body["lagging"] = sorted(lagging)
+        if skipped:
+            body["skipped"] = skipped
+        return (202 if lagging or skipped else 200), body
+
+    def deploy(
+        self, space: str, upload: BinaryIO, sha256: str, meta: dict[str, Any], unpacked: int
+    ) -> Change:
+        """Commit a validated upload, streamed from its file, unless some live host could
+        not apply it (ClientError 507 or 413: nothing is committed). On the fleet's
+        threads (run)."""
+        s = self.settings
+        fit = Fit(s.host_id, s.fleet_live_s, unpacked)
+        return self.db.deploy(space, upload, sha256, meta, fit)
 
     async def fetch(self, version: Version) -> None:
         """A version this host knows only by its pointer: its files, on first use."""
@@ -93,6 +110,9 @@ class FleetClient:
         """The fleet's hosts, live or not, and what each has applied."""
         hosts = await self.run(self.db.hosts, self.settings.fleet_live_s)
         last = await self.run(self.db.last_change)
+        skipped = await self.run(self.db.skipped)
+        for host in hosts:
+            host["skipped"] = skipped.get(host["id"], [])  # what it could not apply, and why
         return {"last_change": last, "hosts": hosts}
 
 

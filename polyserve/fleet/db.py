@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -29,6 +31,9 @@ CHANNEL = "polyserve_changes"
 CONNECT_TIMEOUT_S = 5
 TCP_USER_TIMEOUT_MS = 10_000  # unacknowledged data this long: the link is gone
 TIMEOUT_S = 10.0  # POLYSERVE_FLEET_TIMEOUT_S's default, for callers without settings
+CHUNK = 1 << 20  # an upload moves to and from the database in slices this long
+# A host that heartbeats, has neither left nor is draining: the one `live` of the fleet.
+LIVE = "left_at IS NULL AND draining_at IS NULL AND last_seen > now() - make_interval(secs => %s)"
 
 
 class Unreachable(ClientError):
@@ -48,6 +53,7 @@ class Change:
     space: str
     kind: str  # deploy, delete, release
     version: int | None
+    token: str | None = None  # random at its commit: tells this change from a reused id
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,17 @@ class Stored:
     number: int
     sha256: str
     meta: dict[str, Any]
-    data: bytes | None  # None: left out, a version of another pool than the reader's
+    size: int | None  # the upload's bytes (download()); None: another pool's, not read
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What a deploy must fit before it is committed: every live host's limits (and the
+    receiving host's, live or not), as that host would check the upload itself."""
+
+    host: str  # the receiving host
+    live_s: float  # POLYSERVE_FLEET_LIVE_S
+    unpacked: int  # what the upload unpacks to, as the unpacked cap counts it
 
 
 USAGE_COLUMNS = BILLED_NAMES  # the ledger's columns are the meter's billing totals
@@ -157,9 +173,15 @@ class FleetDB:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (CHANGE_LOCK,))
             yield conn
 
-    def deploy(self, space: str, data: bytes, sha256: str, meta: dict[str, Any]) -> Change:
-        """Store a version under the space's next number, make it current, log the change."""
+    def deploy(
+        self, space: str, upload: BinaryIO, sha256: str, meta: dict[str, Any], fit: Fit
+    ) -> Change:
+        """Store a version under the space's next number, make it current, log the change.
+        The upload is streamed from its file, never read whole. Refused (ClientError 507
+        or 413, nothing committed) when a live host could not apply it."""
+        size = upload.seek(0, 2)
         with self._changing() as conn:
+            _refuse_unfit(conn, space, size, fit)
             conn.execute(
                 "INSERT INTO polyserve_spaces (name) VALUES (%s) ON CONFLICT DO NOTHING", (space,)
             )
@@ -175,11 +197,7 @@ class FleetDB:
             assert row is not None
             number = row[0]
             meta = {**meta, "version": number, "replaced": before[0] if before else None}
-            conn.execute(
-                "INSERT INTO polyserve_versions (space, number, sha256, meta, data)"
-                " VALUES (%s, %s, %s, %s, %s)",
-                (space, number, sha256, Jsonb(meta), data),
-            )
+            _copy_version(conn, (space, number, sha256, meta), upload, size)
             return _log(conn, space, "deploy", number)
 
     def rollback(self, space: str, asked: int | None) -> tuple[Change, int, dict[str, Any]]:
@@ -270,26 +288,38 @@ class FleetDB:
     def changes_since(self, after: int, limit: int) -> list[Change]:
         with self.session() as conn:
             rows = conn.execute(
-                "SELECT id, space, kind, version FROM polyserve_changes WHERE id > %s"
-                " ORDER BY id LIMIT %s",
+                "SELECT id, space, kind, version, token::text FROM polyserve_changes"
+                " WHERE id > %s ORDER BY id LIMIT %s",
                 (after, limit),
             ).fetchall()
         return [Change(*row) for row in rows]
 
-    def pointers(self) -> tuple[int, dict[str, tuple[int, dict[str, Any]] | None]]:
-        """What a joining host needs: the last change id, and each space's current version
-        with its metadata (None: deleted), read in one snapshot; no upload bytes."""
+    def token(self, change_id: int) -> str | None:
+        """The token of the change with this id; None when the fleet has none (its
+        database went back to before it)."""
+        with self.session() as conn:
+            row = conn.execute(
+                "SELECT token::text FROM polyserve_changes WHERE id = %s", (change_id,)
+            ).fetchone()
+        return row[0] if row else None
+
+    def pointers(self) -> tuple[Change, dict[str, tuple[int, dict[str, Any]] | None]]:
+        """What a joining host needs: the last change (id 0 for none), and each space's
+        current version with its metadata (None: deleted), read in one snapshot; no
+        upload bytes."""
         with self.session() as conn, conn.transaction():
             conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            last = conn.execute("SELECT coalesce(max(id), 0) FROM polyserve_changes")
-            row = last.fetchone()
+            last = conn.execute(
+                "SELECT id, space, kind, version, token::text FROM polyserve_changes"
+                " ORDER BY id DESC LIMIT 1"
+            ).fetchone()
             rows = conn.execute(
                 "SELECT s.name, s.current_version, v.meta FROM polyserve_spaces s"
                 " LEFT JOIN polyserve_versions v"
                 " ON v.space = s.name AND v.number = s.current_version"
             ).fetchall()
         pointers = {name: None if n is None else (n, meta) for name, n, meta in rows}
-        return (row[0] if row else 0), pointers
+        return (Change(*last) if last else Change(0, "", "none", None)), pointers
 
     def last_change(self) -> int:
         with self.session() as conn:
@@ -297,18 +327,35 @@ class FleetDB:
         return row[0] if row else 0
 
     def fetch(self, space: str, number: int, pool: str | None = None) -> Stored | None:
-        """A version with its bytes; with `pool`, the bytes only if the version runs in
-        that pool (a host does not download what it will never import)."""
+        """A version and the size of its bytes; with `pool`, the size only if the version
+        runs in that pool (a host does not download what it will never import)."""
         with self.session() as conn:
             row = conn.execute(
                 "SELECT number, sha256, meta, CASE WHEN %s::text IS NULL"
-                " OR coalesce(meta->>'pool', %s) = %s THEN data END"
+                " OR coalesce(meta->>'pool', %s) = %s THEN length(data) END"
                 " FROM polyserve_versions WHERE space = %s AND number = %s",
                 (pool, DEFAULT_POOL, pool, space, number),
             ).fetchone()
-        if row is None:
-            return None
-        return Stored(row[0], row[1], row[2], None if row[3] is None else bytes(row[3]))
+        return None if row is None else Stored(*row)
+
+    def download(self, space: str, stored: Stored, out: BinaryIO) -> str:
+        """Write a version's bytes to `out`, CHUNK at a time (the process never holds the
+        whole upload, nor the server's hex of it), and return their sha256."""
+        digest = hashlib.sha256()
+        with self.session() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            for start in range(0, stored.size or 0, CHUNK):
+                row = conn.execute(
+                    "SELECT substring(data FROM %s FOR %s) FROM polyserve_versions"
+                    " WHERE space = %s AND number = %s",
+                    (start + 1, CHUNK, space, stored.number),
+                    binary=True,
+                ).fetchone()
+                if row is None:
+                    break  # gone since fetch(): the sha256 check refuses what was read
+                digest.update(row[0])
+                out.write(row[0])
+        return digest.hexdigest()
 
     # -- hosts -----------------------------------------------------------------------
 
@@ -365,15 +412,70 @@ class FleetDB:
             )
             return baseline
 
-    def heartbeat(self, host: str, boot: str, workers: int, applied: int) -> bool:
-        """False when this boot is no longer the host's: another boot replaced it."""
+    def heartbeat(
+        self, host: str, boot: str, workers: int, applied: int, token: str | None = None
+    ) -> bool:
+        """Alive, and the last change applied; False when this boot is no longer the
+        host's (another boot replaced it). The acknowledgement counts only if the
+        fleet's change of that id is the one applied (its token): a database that went
+        back in time keeps what it knew, and no deploy takes this host's word for a
+        change id it reused."""
         with self.session() as conn:
             cur = conn.execute(
-                "UPDATE polyserve_hosts SET last_seen = now(), workers = %s, applied = %s"
+                "UPDATE polyserve_hosts SET last_seen = now(), workers = %s,"
+                " applied = CASE WHEN %s::uuid IS NULL OR EXISTS (SELECT FROM"
+                " polyserve_changes WHERE id = %s AND token = %s::uuid) THEN %s ELSE applied END"
                 " WHERE id = %s AND boot = %s",
-                (workers, applied, host, boot),
+                (workers, token, applied, token, applied, host, boot),
             )
             return cur.rowcount == 1
+
+    def limits(self, host: str, boot: str, spaces: int, upload_mb: int, unpacked_mb: int) -> None:
+        """This boot's POLYSERVE_MAX_SPACES, _MAX_UPLOAD_MB and _MAX_UNPACKED_MB, which a
+        deploy must fit while this host is live."""
+        with self.session() as conn:
+            conn.execute(
+                "UPDATE polyserve_hosts SET max_spaces = %s, max_upload_mb = %s,"
+                " max_unpacked_mb = %s WHERE id = %s AND boot = %s",
+                (spaces, upload_mb, unpacked_mb, host, boot),
+            )
+
+    # -- changes a host skipped --------------------------------------------------------
+
+    def skip(self, host: str, change: Change, error: str) -> None:
+        """Record that this host could not apply a change (it goes on with the next)."""
+        with self.session() as conn:
+            conn.execute(
+                "INSERT INTO polyserve_skipped (host, space, change_id, version, error)"
+                " VALUES (%s, %s, %s, %s, %s) ON CONFLICT (host, space) DO UPDATE SET"
+                " change_id = excluded.change_id, version = excluded.version,"
+                " error = excluded.error, at = now()",
+                (host, change.space, change.id, change.version, error),
+            )
+
+    def unskip(self, host: str, space: str) -> None:
+        """A later change of the space applied: what this host skipped of it is past."""
+        with self.session() as conn:
+            conn.execute(
+                "DELETE FROM polyserve_skipped WHERE host = %s AND space = %s", (host, space)
+            )
+
+    def skipped(self, change: Change | None = None) -> dict[str, list[dict[str, Any]]]:
+        """Per host, what it skipped and why; given a change, only the skips of its space
+        from that change on (such a host serves neither it nor a later version)."""
+        space, since = (change.space, change.id) if change else (None, 0)
+        with self.session() as conn:
+            rows = conn.execute(
+                "SELECT host, space, change_id, version, error, extract(epoch FROM at)::float8"
+                " FROM polyserve_skipped WHERE (%s::text IS NULL OR space = %s)"
+                " AND change_id >= %s ORDER BY host, change_id",
+                (space, space, since),
+            ).fetchall()
+        found: dict[str, list[dict[str, Any]]] = {}
+        keys = ("space", "change", "version", "error", "at")
+        for host, *values in rows:
+            found.setdefault(host, []).append(dict(zip(keys, values, strict=True)))
+        return found
 
     def leave(self, host: str, boot: str) -> None:
         """A stop: no deploy waits for this boot of the host any more (a boot that
@@ -402,9 +504,7 @@ class FleetDB:
         with self.session() as conn:
             rows = conn.execute(
                 "SELECT id, url, pool, boot, workers, applied,"
-                " extract(epoch FROM last_seen)::float8,"
-                " left_at IS NULL AND draining_at IS NULL"
-                " AND last_seen > now() - make_interval(secs => %s),"
+                f" extract(epoch FROM last_seen)::float8, {LIVE},"
                 " draining_at IS NOT NULL, left_at IS NOT NULL"
                 " FROM polyserve_hosts ORDER BY started_at DESC",
                 (live_s,),
@@ -607,15 +707,81 @@ def _alive(conn: psycopg.Connection) -> bool:
     return True
 
 
+def _refuse_unfit(conn: psycopg.Connection, space: str, size: int, fit: Fit) -> None:
+    """ClientError when a live host (or the receiving one) could not apply this deploy:
+    its table would hold more spaces than its slots, or the upload is larger than its
+    caps. Refused before the commit, the fleet never has a change a host cannot take."""
+    hosts = conn.execute(
+        f"SELECT id, max_spaces, max_upload_mb, max_unpacked_mb FROM polyserve_hosts"
+        f" WHERE left_at IS NULL AND ({LIVE} OR id = %s) ORDER BY id",
+        (fit.live_s, fit.host),
+    ).fetchall()
+    row = conn.execute(
+        "SELECT count(*) FROM polyserve_spaces WHERE current_version IS NOT NULL AND name <> %s",
+        (space,),
+    ).fetchone()
+    spaces = (row[0] if row else 0) + 1
+
+    def over(column: int, amount: int, unit: int) -> list[tuple[str, int]]:
+        """The hosts whose limit in `column` (in `unit`s) is below `amount`, and it."""
+        limits = [(h[0], h[column]) for h in hosts if h[column] is not None]
+        return [(host, limit) for host, limit in limits if amount > limit * unit]
+
+    mib = 1 << 20
+    refusals = (
+        (507, over(1, spaces, 1), "space table is full on host {} (POLYSERVE_MAX_SPACES={}),"
+            f" and this deploy would make {spaces} spaces deployed in the fleet: raise it on"
+            " every host, or delete a space"),
+        (413, over(2, size, mib), f"the upload is {size / mib:.1f} MiB, more than host {{}}"
+            " takes (POLYSERVE_MAX_UPLOAD_MB={}): raise it there, or make the space smaller"),
+        (413, over(3, fit.unpacked, mib), f"the upload unpacks to {fit.unpacked / mib:.1f} MiB,"
+            " more than host {} takes (POLYSERVE_MAX_UNPACKED_MB={}): raise it there, or make"
+            " the space smaller"),
+    )  # fmt: skip
+    for status, unfit, error in refusals:
+        if unfit:
+            hosts_unfit = [h for h, _ in unfit]
+            raise ClientError(status, error.format(*unfit[0]), space=space, hosts=hosts_unfit)
+
+
+def _copy_version(
+    conn: psycopg.Connection, row: tuple[str, int, str, dict[str, Any]], upload: BinaryIO, size: int
+) -> None:
+    """Insert a version with one binary COPY whose last field, the upload, is read from
+    its file CHUNK at a time: a parameter would hold it whole, and its encoding again."""
+    space, number, sha256, meta = row
+    # jsonb's binary form is a version byte, 1, then the text.
+    jsonb = b"\x01" + json.dumps(meta).encode()
+    fields = (space.encode(), struct.pack("!i", number), sha256.encode(), jsonb)
+    head = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!iih", 0, 0, 5)
+    head += b"".join(struct.pack("!i", len(f)) + f for f in fields) + struct.pack("!i", size)
+    upload.seek(0)
+    with (
+        conn.cursor() as cur,
+        cur.copy(
+            "COPY polyserve_versions (space, number, sha256, meta, data) FROM STDIN (FORMAT binary)"
+        ) as copy,
+    ):
+        copy.write(head)
+        sent = 0
+        while chunk := upload.read(CHUNK):
+            copy.write(chunk)
+            sent += len(chunk)
+        if sent != size:  # the file changed under us: the server would take a short row
+            raise RuntimeError(f"the upload was {size} bytes, then {sent}")
+        copy.write(struct.pack("!h", -1))
+
+
 def _log(conn: psycopg.Connection, space: str, kind: str, version: int | None) -> Change:
     """Append a change under CHANGE_LOCK (held by the caller's transaction) and notify."""
     row = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM polyserve_changes").fetchone()
     assert row is not None
-    change = Change(row[0], space, kind, version)
-    conn.execute(
-        "INSERT INTO polyserve_changes (id, space, kind, version) VALUES (%s, %s, %s, %s)",
-        (change.id, space, kind, version),
-    )
+    token = conn.execute(
+        "INSERT INTO polyserve_changes (id, space, kind, version) VALUES (%s, %s, %s, %s)"
+        " RETURNING token::text",
+        (row[0], space, kind, version),
+    ).fetchone()
+    change = Change(row[0], space, kind, version, token[0] if token else None)
     # Delivered at commit, to every host listening then; the others poll.
     conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, json.dumps(change.id)))
     return change

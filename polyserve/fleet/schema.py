@@ -79,6 +79,27 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE polyserve_hosts ADD COLUMN lineage text, ADD COLUMN baseline jsonb;
     """,
+    # Applying safely (docs/fleet.md): each host's limits, so a deploy some live host
+    # cannot take is refused before it is committed; each change's token, so a host
+    # tells a database that went back in time (a restore, a failover to a lagging
+    # replica) from the one whose changes it applied; the changes a host skipped, for
+    # the deploy's answer and the operator; uploads stored uncompressed, so a host
+    # reads one in slices without the server inflating it from the start each time.
+    """
+    ALTER TABLE polyserve_hosts ADD COLUMN max_spaces integer,
+        ADD COLUMN max_upload_mb integer, ADD COLUMN max_unpacked_mb integer;
+    ALTER TABLE polyserve_changes ADD COLUMN token uuid NOT NULL DEFAULT gen_random_uuid();
+    ALTER TABLE polyserve_versions ALTER COLUMN data SET STORAGE EXTERNAL;
+    CREATE TABLE polyserve_skipped (
+        host text NOT NULL,
+        space text NOT NULL,
+        change_id bigint NOT NULL,                -- the change this host did not apply
+        version integer,
+        error text NOT NULL,
+        at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (host, space)                 -- cleared by its next change applied
+    );
+    """,
 )
 
 
