@@ -58,7 +58,7 @@ def unpack_upload(
 ) -> tuple[Manifest, int]:
     """Write an upload into the empty directory dest and return its manifest (a single .py
     has none: its entry is itself, its pool the default) and the bytes its tar unpacked
-    to as the cap counts them (0 for a .py, which the cap does not cover).
+    to as the cap counts them (0 for a .py or a model, which the cap does not cover).
 
     Raises ClientError (4xx) for a refused upload and lets a disk-full OSError through; the
     caller removes dest on any error, so files written before a check fails are harmless.
