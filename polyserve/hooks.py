@@ -81,7 +81,7 @@ class _Master:
                 self.log.error(
                     "the fleet follower exited (%s): starting it again", self.follower.returncode
                 )
-            self.follower = subprocess.Popen([sys.executable, "-m", "polyserve.fleet.follower"])
+            self.follower = _start_follower(self.settings.database_url)
 
     def unfollow(self) -> None:
         """At exit, after the workers: the follower writes the last usage and leaves."""
@@ -118,6 +118,22 @@ class _Master:
                 logging.getLogger("polyserve").exception("usage checkpoint failed")
 
 
+def _start_follower(url: str) -> subprocess.Popen[bytes]:
+    """The follower, handed the fleet's URL through a pipe it reads at start (as
+    POLYSERVE_DATABASE_URL_FILE): in its environment, /proc/<pid>/environ would show the
+    URL to any process of the host's user, a validation's included."""
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as pipe:
+        pipe.write(url.encode())  # far less than a pipe holds: this never blocks
+    try:
+        env = {**os.environ, "POLYSERVE_DATABASE_URL_FILE": f"/dev/fd/{read}"}
+        return subprocess.Popen(
+            [sys.executable, "-m", "polyserve.fleet.follower"], env=env, pass_fds=(read,)
+        )
+    finally:
+        os.close(read)
+
+
 _master: _Master | None = None
 _starting: tuple[settings_mod.Settings, Store] | None = None  # on_starting -> when_ready
 _lock_file: Any = None  # host.lock, flock'd: the master's alone (post_fork closes it)
@@ -148,6 +164,8 @@ def on_starting(server: Any) -> None:
     global _starting, _lock_file
     s = settings_mod.load()
     auth.on_starting(server, s)  # a bad tokens file stops the host: EXIT_BAD_TOKENS_FILE
+    # Before anything is started or forked: see settings.withhold.
+    settings_mod.withhold(s.database_url)
     store = Store(s.data_dir, s.max_spaces)
     _lock_file = open(store.root / "host.lock", "a")  # noqa: SIM115 - held for the master's life
     try:

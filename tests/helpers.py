@@ -85,6 +85,14 @@ def children(pid: int) -> dict[int, str]:
     return {int(line.split()[0]): line for line in out.splitlines() if line.strip()}
 
 
+def descendants(pid: int) -> set[int]:
+    """Process `pid`'s children, theirs, and so on."""
+    found = set(children(pid))
+    for child in list(found):
+        found |= descendants(child)
+    return found
+
+
 def alive(pid: int) -> bool:
     """Whether process `pid` is running (a zombie is not)."""
     try:
