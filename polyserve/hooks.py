@@ -57,18 +57,19 @@ class _Master:
         # Validations fork from it (polyserve/forkserver.py): a process of its own, started
         # fresh with the environment tenant code gets, not a fork of this master.
         self.forkserver = (
-            ForkServer(s.preload, settings_mod.scrubbed_environ())
+            ForkServer(s.preload, settings_mod.scrubbed_environ(), s.validate_namespaces)
             if s.validate_forkserver
             else None
         )
 
     def forkserve(self) -> None:
-        """Start the fork server (again, if it died: workers spawn validators meanwhile)."""
+        """Start the fork server (again, if it died or stopped answering: workers spawn
+        validators meanwhile)."""
         if self.forkserver is None or self.stop.is_set():
             return
-        restarted = self.forkserver.proc is not None
-        if self.forkserver.ensure() and restarted:
-            self.log.error("the validation fork server exited: starting it again")
+        why = self.forkserver.ensure()
+        if why is not None and why != "started":
+            self.log.error("the validation fork server %s: starting a new one", why)
 
     def follow(self) -> None:
         """Start the fleet follower (again, if it died). A process of its own: the

@@ -243,6 +243,16 @@ SETTINGS: tuple[Setting, ...] = (
         "1",
     ),
     Setting(
+        "validate_namespaces",
+        flag,
+        const(True),
+        "Run each validation in PID and mount namespaces of its own where the host may"
+        " make them (in a user namespace where it is not privileged): it then sees and"
+        " signals no other process (0: track and kill its processes only; README:"
+        " the validation sandbox).",
+        "1",
+    ),
+    Setting(
         "max_spaces",
         positive_int,
         const(4096),
@@ -425,6 +435,7 @@ class Settings:
     import_timeout: float
     import_memory_mb: int
     validate_forkserver: bool
+    validate_namespaces: bool
     max_spaces: int
     keep_versions: int
     checkpoint_interval: float
