@@ -70,6 +70,7 @@ class Deploys:
                 env=scrubbed_environ(),
                 deps=installed.site if installed is not None else None,
                 forkserver=hooks.forkserver_name(),
+                namespaces=s.validate_namespaces,
             )
             if installed is not None:
                 checked["dependencies"] = installed.answer()

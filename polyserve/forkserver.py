@@ -2,20 +2,26 @@
 
 A validation spawned as a new interpreter pays for importing onnxruntime and numpy
 before the tenant's own code runs, ~100 ms of a ~140 ms deploy. The master instead starts
-one fork server (`python -m polyserve.forkserver NAME MASTER_PID PRELOAD`), a fresh
-interpreter with the environment a validation gets (no host secrets: the stdlib's
+one fork server (`python -m polyserve.forkserver NAME MASTER_PID PRELOAD NAMESPACES`), a
+fresh interpreter with the environment a validation gets (no host secrets: the stdlib's
 forkserver would pass the caller's whole environment, and would not outlive gunicorn's
 fork of workers), which imports POLYSERVE_PRELOAD's modules once and waits. A worker's
 `fork()` asks it over a Unix socket for a child and passes the child's stdout and stderr
 pipes with SCM_RIGHTS; the child takes the same limits a spawned validator does (new
-session, RLIMIT_AS, killed with its group at the timeout) and runs exactly that
-validator's code, `polyserve.validate.child`. The server itself never runs tenant code:
-it only forks, reaps and reports exit statuses. It forks children ahead of their requests:
-two spares, forked at the start and half a second after the last validation ended. Each
-detaches, warms up as a worker does at boot (polyserve.warmup.in_worker) on the event
-loop and worker thread a validation uses, says "ready" on a socket of its own, and waits
-there for the request the server passes on, which it acknowledges ("took"); a request
-that finds no ready spare (warming, in use, or killed) gets a child forked for it.
+session, RLIMIT_AS, polyserve.sandbox: it is the keeper of a validation it forks, in
+namespaces of its own where the host may make them) and runs exactly that validator's
+code, `polyserve.validate.child`. The server itself never runs tenant code: it only
+forks, reaps and reports exit statuses, and kills what a validation left behind when its
+keeper was killed first (the server is the subreaper of its children's orphans).
+
+It forks children ahead of their requests: two spares, forked at the start and half a
+second after the last validation ended. Each detaches, warms up as a worker does at boot
+(polyserve.warmup.in_worker) on the event loop and worker thread a validation uses, says
+"ready" on a socket of its own, and waits there for the request the server passes on,
+which it acknowledges ("took"); a request that finds no ready spare (warming, in use,
+killed, or stopped) gets a child forked for it. A spare found stopped is killed and
+forked again; one that has not taken its request after _TAKE_S is killed, and its
+worker validates in a new interpreter.
 
 The socket is in Linux's abstract namespace, named at random per master: no path to
 clean up after a master killed with -9, none longer than sun_path's 108 bytes under a
@@ -23,9 +29,13 @@ deep data directory. Abstract sockets have no file permissions, so the server ac
 only peers of its own uid (SO_PEERCRED), the uid workers and tenant code already run as.
 
 Protocol (SOCK_SEQPACKET, one JSON message each): the worker sends {"argv", "env"} with
-two fds; the server answers {"pid"} once forked and {"returncode"} once the child is
-reaped (negative: the signal that ended it, as subprocess reports). A worker that hangs
-up first (its deploy timed out or was cancelled) gets its child's group killed.
+two fds; the server answers {"pid"} (the keeper's) once forked and {"returncode"} once
+the child is reaped (negative: the signal that ended it, as subprocess reports). A worker
+that hangs up first (its deploy timed out or was cancelled) gets its validation ended:
+SIGTERM to the keeper, its group killed if it has not exited within _END_S. The master
+sends {"ping": true} and expects {"pong": true}: a server that is stopped, or that does
+not answer in _HANDSHAKE_S, is killed and started again; a worker that finds the server
+stopped does not wait for it and spawns its validator.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import selectors
 import signal
 import socket
@@ -52,12 +63,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from polyserve import warmup
+from polyserve import sandbox, warmup
 
 _PR_SET_PDEATHSIG = 1
 _MAX_MESSAGE = 1 << 20  # a request carries the environment: a few KiB
 _HANDSHAKE_S = 5.0  # a live server forks at once; past this, spawn instead
 _STOP_S = 5.0
+_END_S = 5.0  # how long an ended validation's keeper has to clean up before it is killed
+# A warm spare reads its request at once: one that has not in this long is stopped, or
+# so starved that a new interpreter will validate sooner.
+_TAKE_S = 1.0
 _PARENT_CHECK_S = 1.0  # how long an orphaned server may outlive its master
 # How long after the last validation ends the next spare is forked: a deploy's publish
 # and its first loads in the workers come right after, and the spare's fork and warm-up
@@ -109,27 +124,61 @@ class ForkServer:
     """The master's handle on its fork server: start it, start it again if it died, stop
     it. Workers only need `name` (they inherit this object with the master's memory)."""
 
-    def __init__(self, preload: tuple[str, ...], env: Mapping[str, str]) -> None:
+    def __init__(
+        self, preload: tuple[str, ...], env: Mapping[str, str], namespaces: bool = True
+    ) -> None:
         self.name = new_name()
         self.preload = preload
         self.env = dict(env)
+        self.namespaces = namespaces
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def ensure(self) -> bool:
-        """Start the server if it is not running; True if this call started one. Until it
-        has imported the preloaded modules and listens, workers spawn validators."""
-        if self.proc is not None and self.proc.poll() is None:
-            return False
+    def ensure(self) -> str | None:
+        """Start the server if it is not running, or replace it if it does not answer;
+        None if it runs, else why this call started one ("started", "exited",
+        "stopped answering"). Until it has imported the preloaded modules and listens,
+        workers spawn validators."""
+        if self.proc is None:
+            why = "started"
+        elif self.proc.poll() is not None:
+            why = "exited"
+        elif self.answering():
+            return None
+        else:  # a SIGKILL ends a stopped process too; its children die with it
+            why = "stopped answering"
+            self.proc.kill()
+            self.proc.wait()
         argv = [sys.executable, "-m", "polyserve.forkserver", self.name, str(os.getpid())]
         # A session of its own: a terminal's Ctrl-C is the master's to handle, which
         # stops this server after its workers (and PR_SET_PDEATHSIG if it dies).
         self.proc = subprocess.Popen(
-            [*argv, ",".join(self.preload)],
+            [*argv, ",".join(self.preload), "1" if self.namespaces else "0"],
             env=self.env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        return True
+        return why
+
+    def answering(self) -> bool:
+        """Whether the running server answers a ping; True while it warms up (it binds
+        its socket only once warm). False if it is stopped: a validation that can see it
+        (without namespaces) may have sent it SIGSTOP."""
+        assert self.proc is not None
+        if sandbox.stopped(self.proc.pid):
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(_HANDSHAKE_S)
+            try:
+                s.connect(_address(self.name))
+            except (ConnectionRefusedError, FileNotFoundError):
+                return True  # not listening yet
+            except OSError:
+                return False
+            try:
+                s.send(json.dumps({"ping": True}).encode())
+                return json.loads(s.recv(_MAX_MESSAGE)).get("pong") is True
+            except (OSError, ValueError, AttributeError):
+                return False
 
     def stop(self) -> None:
         """At exit: SIGTERM, on which it kills its children's groups; SIGKILL if slow."""
@@ -159,6 +208,12 @@ class _Spare:
     sock: socket.socket  # the server's end of the spare's own socket
     pidfd: int
     warm: bool = False  # it said "ready": only then is it handed a request
+    child: int = 0  # the validation its keeper forked, once the keeper said so
+
+    def stopped(self, pid: int) -> bool:
+        """Whether the spare's keeper `pid` or its validation is stopped: it would take
+        no request, or never report its exit."""
+        return sandbox.stopped(pid) or (self.child != 0 and sandbox.stopped(self.child))
 
 
 class _Server:
@@ -172,10 +227,12 @@ class _Server:
         master: int,
         preload: tuple[str, ...] = (),
         spares: int = 0,
+        namespaces: bool = False,
     ) -> None:
         self.listener = listener
         self.master = master
         self.preload = preload
+        self.namespaces = namespaces  # each validation in namespaces of its own, if it may
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ, None)
         self.children: dict[int, tuple[socket.socket, int]] = {}  # pid -> (client, pidfd)
@@ -184,6 +241,10 @@ class _Server:
         self.untaken: dict[int, socket.socket] = {}  # former spares yet to say they took it
         self.spares = spares  # how many to keep forked ahead: the server's loop (main) does
         self.spare_due: float | None = None  # when to fork the next spares (monotonic s)
+        # Children to kill with their group at a time (monotonic s): a spare that has not
+        # taken its request, a keeper that was told to end its validation.
+        self.kill_due: dict[int, float] = {}
+        self.strays: dict[int, int] = {}  # pid -> pidfd: children it did not fork, killed
 
     def run(self) -> None:
         """Serve until the master is gone. PR_SET_PDEATHSIG's SIGTERM alone is not enough:
@@ -193,13 +254,24 @@ class _Server:
         self._fork_spares()
         while os.getppid() == self.master:
             timeout = _PARENT_CHECK_S
-            if self.spare_due is not None:
-                timeout = min(timeout, max(self.spare_due - time.monotonic(), 0))
+            for due in (self.spare_due, *self.kill_due.values()):
+                if due is not None:
+                    timeout = min(timeout, max(due - time.monotonic(), 0))
             self.step(timeout)
+            self.kill_overdue()
+            self._kill_stopped_spares()
             if self.spare_due is not None and time.monotonic() >= self.spare_due:
                 self.spare_due = None
                 if not self.children:
                     self._fork_spares()
+
+    def kill_overdue(self) -> None:
+        """Kill, with their groups, the children whose time in kill_due has come; each is
+        reaped when its pidfd's event comes."""
+        now = time.monotonic()
+        for pid in [pid for pid, due in self.kill_due.items() if now >= due]:
+            del self.kill_due[pid]
+            _kill_group(pid)
 
     def step(self, timeout: float | None = None) -> None:
         """One select and what it found."""
@@ -214,6 +286,8 @@ class _Server:
                 self._reap(key.data)
             elif key.data == "request":
                 self._request(key.fileobj)  # type: ignore[arg-type]
+            elif key.data[0] == "stray":
+                self._reap_stray(key.data[1])
             elif key.data[0] == "spare":
                 self._spare_says(key.fileobj, key.data[1])  # type: ignore[arg-type]
             else:  # a client whose child runs: it hung up, or sent out of turn
@@ -239,10 +313,14 @@ class _Server:
         try:
             message, fds, _, _ = socket.recv_fds(client, _MAX_MESSAGE, 2)
             request = json.loads(message)
+            if request.get("ping") is True and not fds:  # the master: is it answering?
+                _send(client, {"pong": True})
+                client.close()
+                return
             argv, env = [str(a) for a in request["argv"]], request.get("env")
             if len(fds) != 2:
                 raise ValueError("expected the child's stdout and stderr")
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             for fd in fds:
                 os.close(fd)
             client.close()
@@ -318,9 +396,13 @@ class _Server:
             said = b""
         if said == b"ready" and pid in self.ahead:
             self.ahead[pid].warm = True
+        elif said.startswith(b"child ") and pid in self.ahead:  # from its keeper
+            with contextlib.suppress(ValueError):
+                self.ahead[pid].child = int(said[len(b"child ") :])
         elif said == b"took" and pid in self.untaken:
             self.selector.unregister(ours)
             self.untaken.pop(pid).close()
+            self.kill_due.pop(pid, None)
         elif not said:  # it died: its pidfd's event reaps it (and closes this)
             self.selector.unregister(ours)
 
@@ -330,6 +412,7 @@ class _Server:
         """Pass a request on to a warm spare, if there is one: its (pid, pidfd), or None.
         Until it says it took the request, it is watched: dying before that is the
         server's failure, not the tenant's (see _reap)."""
+        self._kill_stopped_spares()
         # A request handed to a warming spare would wait for its warm-up.
         pid = next((pid for pid, spare in self.ahead.items() if spare.warm), None)
         if pid is None:
@@ -341,12 +424,24 @@ class _Server:
             return None
         del self.ahead[pid]
         self.untaken[pid] = spare.sock
+        self.kill_due[pid] = time.monotonic() + _TAKE_S  # cleared when it takes it
         return pid, spare.pidfd
 
+    def _kill_stopped_spares(self) -> None:
+        """A spare that is stopped (a validation that can see it, without namespaces, may
+        have stopped it) takes no request: kill it; it is forked again once no validation
+        runs."""
+        for pid, spare in self.ahead.items():
+            if spare.stopped(pid):
+                spare.warm = False  # never handed a request: reaped when its pidfd says
+                _kill_group(pid)
+
     def _spare_child(self, server: int, theirs: socket.socket) -> None:
-        """In the spare: detach, then run the request the server passes on (its argv and
-        environment, and the fds the worker sent) on the event loop it warmed up on."""
+        """In the spare: detach and split into a keeper and the validation, which runs
+        the request the server passes on (its argv and environment, and the fds the
+        worker sent) on the event loop it warmed up on."""
         self._detach(server)
+        sandbox.contain(self.namespaces, lambda pid: theirs.send(b"child %d" % pid))
         from polyserve import validate
 
         validate.runner().run(self._spare(theirs))
@@ -373,12 +468,19 @@ class _Server:
             if client.recv(_MAX_MESSAGE):
                 return  # out of turn: ignored
         # The worker is gone or gave up (timeout, cancelled deploy): leave nothing running.
+        # The keeper kills the validation and what it left; its group goes if it is slow.
         self.selector.unregister(client)
-        _kill_group(pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        self.kill_due.setdefault(pid, time.monotonic() + _END_S)
 
     def _reap(self, pid: int) -> None:
         _, status = os.waitpid(pid, 0)
         _kill_group(pid)  # what the import left behind, as a spawned validator's parent does
+        self.kill_due.pop(pid, None)
+        # A keeper killed, or failed, before it could clean up after its validation.
+        if os.WIFSIGNALED(status) or os.waitstatus_to_exitcode(status) == EXIT_CHILD_FAILED:
+            self._strays()
         if pid in self.ahead:  # died waiting: killed
             spare = self.ahead.pop(pid)
             self._drop(spare.sock)
@@ -407,6 +509,30 @@ class _Server:
             # spare saved.
             self.spare_due = time.monotonic() + _SPARE_DELAY_S
 
+    def _strays(self) -> None:
+        """Kill the children this server did not fork: what a validation left when its
+        keeper was killed first (this process is their subreaper). Each one's exit looks
+        again, for what it leaves in turn."""
+        for pid in sandbox.children(os.getpid()):
+            if pid in self.children or pid in self.ahead or pid in self.strays:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            try:
+                pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:  # reaped already
+                continue
+            self.strays[pid] = pidfd
+            self.selector.register(pidfd, selectors.EVENT_READ, ("stray", pid))
+
+    def _reap_stray(self, pid: int) -> None:
+        pidfd = self.strays.pop(pid)
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        self._strays()
+
     def _drop(self, ours: socket.socket) -> None:
         with contextlib.suppress(KeyError):  # unregistered already if it said nothing
             self.selector.unregister(ours)
@@ -423,6 +549,7 @@ class _Server:
         """In a child forked for a request: become what a spawned validator is, and run."""
         self._detach(server)
         asked.close()
+        sandbox.contain(self.namespaces)
         self._become(argv, env, fds)
         from polyserve import validate
 
@@ -448,6 +575,8 @@ class _Server:
             os.close(spare.pidfd)
         for ours in self.untaken.values():
             ours.close()
+        for pidfd in self.strays.values():
+            os.close(pidfd)
         self.selector.close()
         self.listener.close()
 
@@ -467,8 +596,22 @@ class _Server:
         sys.argv = [validate.__file__, *argv]
 
     def stop(self) -> None:
-        for pid in [*self.children, *self.ahead]:
+        """At exit: each keeper ends its validation (SIGTERM) and cleans up after it; a
+        keeper still there after _END_S is killed with its group, then what it left."""
+        pidfds = {pid: fd for pid, (_, fd) in self.children.items()}
+        pidfds |= {pid: spare.pidfd for pid, spare in self.ahead.items()}
+        for pid in pidfds:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        waiting, deadline = set(pidfds.values()), time.monotonic() + _END_S
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            waiting -= set(select.select(list(waiting), [], [], left)[0])
+        for pid in pidfds:
             _kill_group(pid)
+        for pid in sandbox.children(os.getpid()):
+            if pid not in pidfds:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def _in_child(run: Callable[..., None], *args: Any) -> NoReturn:
@@ -522,6 +665,7 @@ def _warm(preload: list[str]) -> None:
 
 def main(argv: list[str]) -> None:
     name, master, preload = argv[0], int(argv[1]), [m for m in argv[2].split(",") if m]
+    namespaces = len(argv) < 4 or argv[3] == "1"
     logging.basicConfig(format="[%(process)d] %(message)s")
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
@@ -529,6 +673,7 @@ def main(argv: list[str]) -> None:
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != master:
         os._exit(0)
+    sandbox.subreaper()  # what a killed keeper's validation leaves comes here: see _strays
     server = None
     try:
         _warm(preload)
@@ -537,7 +682,7 @@ def main(argv: list[str]) -> None:
         listener.bind(_address(name))
         listener.listen(64)
         listener.setblocking(False)
-        server = _Server(listener, master, tuple(preload), spares=SPARES)
+        server = _Server(listener, master, tuple(preload), SPARES, namespaces)
         server.run()
     except SystemExit:
         pass
@@ -602,6 +747,8 @@ async def fork(name: str, argv: list[str], env: Mapping[str, str] | None) -> For
     try:
         try:
             await asyncio.wait_for(loop.sock_connect(client, _address(name)), _HANDSHAKE_S)
+            if _peer_stopped(client):  # it would answer nothing: the master replaces it
+                raise TimeoutError
             request = {"argv": argv, "env": None if env is None else dict(env)}
             socket.send_fds(client, [json.dumps(request).encode()], [out_w, err_w])
             reply = await asyncio.wait_for(loop.sock_recv(client, _MAX_MESSAGE), _HANDSHAKE_S)
@@ -626,6 +773,12 @@ async def fork(name: str, argv: list[str], env: Mapping[str, str] | None) -> For
             return None
         raise
     return Forked(pid, client, pipes)
+
+
+def _peer_stopped(client: socket.socket) -> bool:
+    """Whether the process that listens on the socket `client` connected to is stopped."""
+    cred = client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return sandbox.stopped(struct.unpack("3i", cred)[0])
 
 
 async def _reader(fd: int) -> tuple[asyncio.BaseTransport, asyncio.StreamReader]:

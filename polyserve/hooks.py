@@ -57,18 +57,19 @@ class _Master:
         # Validations fork from it (polyserve/forkserver.py): a process of its own, started
         # fresh with the environment tenant code gets, not a fork of this master.
         self.forkserver = (
-            ForkServer(s.preload, settings_mod.scrubbed_environ())
+            ForkServer(s.preload, settings_mod.scrubbed_environ(), s.validate_namespaces)
             if s.validate_forkserver
             else None
         )
 
     def forkserve(self) -> None:
-        """Start the fork server (again, if it died: workers spawn validators meanwhile)."""
+        """Start the fork server (again, if it died or stopped answering: workers spawn
+        validators meanwhile)."""
         if self.forkserver is None or self.stop.is_set():
             return
-        restarted = self.forkserver.proc is not None
-        if self.forkserver.ensure() and restarted:
-            self.log.error("the validation fork server exited: starting it again")
+        why = self.forkserver.ensure()
+        if why is not None and why != "started":
+            self.log.error("the validation fork server %s: starting a new one", why)
 
     def follow(self) -> None:
         """Start the fleet follower (again, if it died). A process of its own: the
@@ -81,7 +82,7 @@ class _Master:
                 self.log.error(
                     "the fleet follower exited (%s): starting it again", self.follower.returncode
                 )
-            self.follower = subprocess.Popen([sys.executable, "-m", "polyserve.fleet.follower"])
+            self.follower = _start_follower(self.settings.database_url)
 
     def unfollow(self) -> None:
         """At exit, after the workers: the follower writes the last usage and leaves."""
@@ -118,6 +119,22 @@ class _Master:
                 logging.getLogger("polyserve").exception("usage checkpoint failed")
 
 
+def _start_follower(url: str) -> subprocess.Popen[bytes]:
+    """The follower, handed the fleet's URL through a pipe it reads at start (as
+    POLYSERVE_DATABASE_URL_FILE): in its environment, /proc/<pid>/environ would show the
+    URL to any process of the host's user, a validation's included."""
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as pipe:
+        pipe.write(url.encode())  # far less than a pipe holds: this never blocks
+    try:
+        env = {**os.environ, "POLYSERVE_DATABASE_URL_FILE": f"/dev/fd/{read}"}
+        return subprocess.Popen(
+            [sys.executable, "-m", "polyserve.fleet.follower"], env=env, pass_fds=(read,)
+        )
+    finally:
+        os.close(read)
+
+
 _master: _Master | None = None
 _starting: tuple[settings_mod.Settings, Store] | None = None  # on_starting -> when_ready
 _lock_file: Any = None  # host.lock, flock'd: the master's alone (post_fork closes it)
@@ -148,6 +165,8 @@ def on_starting(server: Any) -> None:
     global _starting, _lock_file
     s = settings_mod.load()
     auth.on_starting(server, s)  # a bad tokens file stops the host: EXIT_BAD_TOKENS_FILE
+    # Before anything is started or forked: see settings.withhold.
+    settings_mod.withhold(s.database_url)
     store = Store(s.data_dir, s.max_spaces)
     _lock_file = open(store.root / "host.lock", "a")  # noqa: SIM115 - held for the master's life
     try:

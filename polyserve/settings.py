@@ -8,6 +8,7 @@ import re
 import socket
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from polyserve.names import DEFAULT_POOL, POOL_RULE, is_pool
@@ -144,7 +145,15 @@ def _sha256_hex(text: str) -> str:
 # Never echoed in an error, never handed to a subprocess by scrubbed_environ(). The
 # hash is not secret for a random token, but it is where a plaintext token pasted into
 # the wrong variable would end up.
-SECRETS = ("POLYSERVE_DEPLOY_TOKEN", "POLYSERVE_DEPLOY_TOKEN_SHA256", "POLYSERVE_DATABASE_URL")
+SECRETS = (
+    "POLYSERVE_DEPLOY_TOKEN",
+    "POLYSERVE_DEPLOY_TOKEN_SHA256",
+    "POLYSERVE_DATABASE_URL",
+    "POLYSERVE_DATABASE_URL_FILE",  # a path, where a validation would know to look
+)
+# The fleet's URL once the master has taken it out of its environment (withhold): workers
+# inherit it with the master's memory, and read it from here.
+_withheld: dict[str, str] = {}
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -234,6 +243,16 @@ SETTINGS: tuple[Setting, ...] = (
         "1",
     ),
     Setting(
+        "validate_namespaces",
+        flag,
+        const(True),
+        "Run each validation in PID and mount namespaces of its own where the host may"
+        " make them (in a user namespace where it is not privileged): it then sees and"
+        " signals no other process (0: track and kill its processes only; README:"
+        " the validation sandbox).",
+        "1",
+    ),
+    Setting(
         "max_spaces",
         positive_int,
         const(4096),
@@ -307,6 +326,13 @@ SETTINGS: tuple[Setting, ...] = (
         const(""),
         "PostgreSQL URL of the fleet this host joins (empty: a single host); libpq's"
         " PG* variables fill in what it leaves out. Never logged.",
+    ),
+    Setting(
+        "database_url_file",
+        str,
+        const(""),
+        "A file holding POLYSERVE_DATABASE_URL instead (not with it), read once at start:"
+        " the URL is then in no process's environment.",
     ),
     Setting(
         "host_id",
@@ -409,6 +435,7 @@ class Settings:
     import_timeout: float
     import_memory_mb: int
     validate_forkserver: bool
+    validate_namespaces: bool
     max_spaces: int
     keep_versions: int
     checkpoint_interval: float
@@ -443,7 +470,8 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
     worker's app) get the same digest and spaces and child processes never see the token.
     """
     env = os.environ if env is None else env
-    values = read(SETTINGS, env)
+    values = read(SETTINGS, {**env, **_withheld} if env is os.environ else env)
+    values["database_url"] = _database_url(values.pop("database_url_file"), values)
     admin = values.pop("deploy_token")  # already its digest
     if admin and values["deploy_token_sha256"]:
         raise ValueError(
@@ -454,6 +482,36 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
     if env is os.environ:
         forget_token(os.environ)
     return Settings(**values)
+
+
+def _database_url(path: str, values: dict[str, Any]) -> str:
+    """The fleet's URL: POLYSERVE_DATABASE_URL's, or the contents of the file it names."""
+    if not path:
+        return str(values["database_url"])
+    if values["database_url"]:
+        raise ValueError(
+            "POLYSERVE_DATABASE_URL and POLYSERVE_DATABASE_URL_FILE are both set: keep one"
+        )
+    try:
+        url = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"POLYSERVE_DATABASE_URL_FILE: cannot read it: {exc}") from None
+    if not url:
+        raise ValueError("POLYSERVE_DATABASE_URL_FILE: the file is empty")
+    return url
+
+
+def withhold(url: str, environ: MutableMapping[str, str] | None = None) -> None:
+    """The master's, once at start: take the fleet's URL (and the file naming it) out of
+    environ (default: os.environ), so no child process and no space's os.environ gets
+    it; load() still returns it in this process and in the workers it forks. The kernel's
+    copy of the environment the master was started with (/proc/<pid>/environ) is
+    overwritten by the process title gunicorn sets."""
+    environ = os.environ if environ is None else environ
+    for name in ("POLYSERVE_DATABASE_URL", "POLYSERVE_DATABASE_URL_FILE"):
+        environ.pop(name, None)
+    if url and environ is os.environ:
+        _withheld["POLYSERVE_DATABASE_URL"] = url
 
 
 def read(declared: tuple[Setting, ...], env: Mapping[str, str]) -> dict[str, Any]:

@@ -1,10 +1,11 @@
 """Import and start a staged version as a worker will, in a throwaway subprocess, before publish.
 
-The parent side is `validate()`. The child (`python -m polyserve.validate ROOT ENTRY
-MEMORY_MB TIMEOUT [DEPS]`, or the same `child` in a fork of polyserve.forkserver) byte-compiles
-the version, then on an event loop like a worker's imports its entry on a worker thread,
-runs the ASGI lifespan startup and shutdown, and writes one JSON line to its original
-stdout; tenant output is moved to stderr first.
+The parent side is `validate()`. The child (`python -m polyserve.validate [--processes]
+ROOT ENTRY MEMORY_MB TIMEOUT [DEPS]`, or the same `child` in a fork of polyserve.forkserver)
+runs in the sandbox of polyserve.sandbox (`--processes`: without namespaces),
+byte-compiles the version, then on an event loop like a worker's imports its entry on a
+worker thread, runs the ASGI lifespan startup and shutdown, and writes one JSON line to
+its original stdout; tenant output is moved to stderr first.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from polyserve import forkserver as forkserver_mod
+from polyserve import sandbox
 from polyserve.errors import ClientError
 
 STDERR_TAIL = 2000  # bytes of the import's stderr kept for the error body
 _RESULT_MAX = 64 << 10  # the result line is small; anything past this is tenant noise
 _CHUNK = 64 << 10
+_END_S = 5.0  # how long an ended validation's keeper has to clean up before it is killed
 
 
 async def validate(
@@ -39,23 +42,27 @@ async def validate(
     env: Mapping[str, str] | None = None,
     deps: Path | None = None,
     forkserver: str | None = None,
+    namespaces: bool = True,
 ) -> dict[str, object]:
     """Return {"kind", "import_ms"} or raise ClientError(422) saying what to fix. `env` is
     the child's whole environment (the host passes one without its secrets); `deps` the
     version's installed dependency set (polyserve/deps.py), imported as a worker will.
     With `forkserver` (the master's fork server's name), the child is forked from that
-    warm process; without one, or when it does not answer, a new interpreter."""
+    warm process; without one, or when it does not answer, a new interpreter, in
+    namespaces of its own if `namespaces` and the host may make them."""
     argv = [str(root), entry, str(memory_mb), str(timeout), *([str(deps)] if deps else [])]
     proc = await forkserver_mod.fork(forkserver, argv, env) if forkserver else None
     try:
-        return await _wait(proc or await _spawn(argv, env), entry, timeout, memory_mb)
+        if proc is None:
+            spawned = await _spawn(argv if namespaces else ["--processes", *argv], env)
+        return await _wait(proc or spawned, entry, timeout)
     except _ServerGone:
         # The fork server died under this validation (killed, crashed, or killed by the
         # tenant's code): its child died with it. Once more, in a new interpreter.
-        return await validate(root, entry, timeout, memory_mb, env, deps)
+        return await validate(root, entry, timeout, memory_mb, env, deps, None, namespaces)
     finally:
         if proc is not None:
-            proc.close()
+            proc.close()  # the server ends what is left of the validation
 
 
 class _ServerGone(Exception):
@@ -77,12 +84,10 @@ async def _spawn(argv: list[str], env: Mapping[str, str] | None) -> asyncio.subp
 
 
 async def _wait(
-    proc: asyncio.subprocess.Process | forkserver_mod.Forked,
-    entry: str,
-    timeout: float,
-    memory_mb: int,
+    proc: asyncio.subprocess.Process | forkserver_mod.Forked, entry: str, timeout: float
 ) -> dict[str, object]:
-    """Read the child's result line and bounded output; kill its group at the timeout."""
+    """Read the child's result line and bounded output; end the validation (and what it
+    left) once it has answered or at the timeout."""
     stdout, stderr_pipe = proc.stdout, proc.stderr
     assert stdout is not None and stderr_pipe is not None
 
@@ -102,17 +107,19 @@ async def _wait(
     try:
         out, err = await asyncio.wait_for(finished(), timeout)
     except TimeoutError:
-        _kill_group(proc.pid)
-        await proc.wait()
+        await _end(proc)
         raise ClientError(
             422,
             f"import of {entry} did not finish within {timeout:g} s"
             " (POLYSERVE_IMPORT_TIMEOUT): move slow work out of module level",
         ) from None
     except BaseException:
-        _kill_group(proc.pid)  # the deploy request was cancelled: leave nothing running
+        # The deploy request was cancelled: leave nothing running. The keeper kills the
+        # validation and what it left (a forked one's server is told by the hang-up).
+        _terminate(proc)
         raise
-    _kill_group(proc.pid)  # children the import left behind
+    if not isinstance(proc, forkserver_mod.Forked):
+        await _end(proc)  # its keeper exits once it has killed what the import left
     stderr = err.decode("utf-8", "replace")
     result = _result(out)
     if result is None:
@@ -161,6 +168,23 @@ async def _read_bounded(stream: asyncio.StreamReader, keep: int, keep_tail: bool
         elif len(kept) < keep:
             kept += chunk[: keep - len(kept)]
     return bytes(kept)
+
+
+async def _end(proc: asyncio.subprocess.Process | forkserver_mod.Forked) -> None:
+    """End a validation: its keeper (`proc`) kills it and what it left, then exits; one
+    that has not exited after _END_S (stopped, or its fork server is) is killed with its
+    group."""
+    if proc.returncode is None:
+        _terminate(proc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), _END_S)
+    _kill_group(proc.pid)
+
+
+def _terminate(proc: asyncio.subprocess.Process | forkserver_mod.Forked) -> None:
+    if proc.returncode is None:  # else reaped: its pid may name another process by now
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
 
 
 def _kill_group(pid: int) -> None:
@@ -247,4 +271,7 @@ async def child(argv: list[str]) -> NoReturn:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    # A new interpreter keeps the validation it forks (a fork server's child is one already).
+    processes = sys.argv[1:2] == ["--processes"]
+    sandbox.contain(namespaces=not processes)
+    main(sys.argv[2 if processes else 1 :])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from typing import Any, ClassVar, TypeVar
 import httpx2 as httpx
 import pytest
 
-from polyserve.forkserver import ForkServer
+from polyserve.forkserver import SPARES, ForkServer
 from polyserve.forkserver import listening as forkserver_listening
 from polyserve.settings import scrubbed_environ
 
@@ -83,6 +84,57 @@ def children(pid: int) -> dict[int, str]:
         ["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True
     ).stdout
     return {int(line.split()[0]): line for line in out.splitlines() if line.strip()}
+
+
+# recvmsg(2)'s number: a fork server's spare validation reads its request with it once
+# warm (until then it waits on its event loop, in epoll, while its worker thread warms up).
+RECVMSG = {"x86_64": 47, "aarch64": 212}[platform.machine()]
+
+
+def descendants(pid: int) -> set[int]:
+    """Process `pid`'s children, theirs, and so on."""
+    found = set(children(pid))
+    for child in list(found):
+        found |= descendants(child)
+    return found
+
+
+def warm_spares(server: int) -> set[int]:
+    """A fork server's spare validations, once as many as it keeps are warm (in the read
+    of their request): its children, or (with polyserve.sandbox) its children's."""
+
+    def reading() -> set[int]:
+        found = set()
+        for pid in descendants(server):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/syscall").read_text().split()[0] == str(RECVMSG):
+                    found.add(pid)
+        return found if len(found) == SPARES else set()
+
+    return until(reading, what="the fork server's spares to be warm")
+
+
+def parent(pid: int) -> int:
+    """Process `pid`'s parent (0 once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return 0
+    return int(stat[stat.rindex(b")") + 2 :].split()[1])
+
+
+def holders(path: Path) -> set[int]:
+    """The processes that have `path` open: how a test finds the process a module runs
+    in from outside, where the module cannot tell (a validation in a PID namespace of
+    its own knows only its pid there)."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):  # gone, or not ours to look into
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                        found.add(int(pid))
+    return found
 
 
 def alive(pid: int) -> bool:

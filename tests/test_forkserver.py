@@ -8,13 +8,12 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,10 +23,13 @@ from polyserve.errors import ClientError
 from polyserve.validate import validate
 from tests.helpers import (
     FORKSERVER,
+    RECVMSG,
     HostProcess,
     alive,
     children,
+    holders,
     module_host,
+    parent,
     running_forkserver,
     until,
 )
@@ -57,13 +59,36 @@ def check(tmp_path: Path, name: str, source: str, timeout: float = 20) -> dict[s
     return asyncio.run(validate(tmp_path, "main.py", timeout, 4096, forkserver=name))
 
 
-def recorder(marker: Path) -> str:
-    """A module that appends its process's pid and parent pid to `marker` when imported."""
-    return (
-        "import os\n"
-        f"with open({str(marker)!r}, 'a') as f:\n"
-        "    f.write(f'{os.getpid()} {os.getppid()}\\n')\n" + GOOD
+@contextlib.contextmanager
+def importing(
+    tmp_path: Path, run: Callable[[str], object], tag: str = "held"
+) -> Iterator[tuple[int, list[object]]]:
+    """Run `run(source)` in a thread, with a module that keeps a file open while it is
+    imported, until released: yields the pid of the process that imports it (and the
+    list `run`'s result goes in); on leaving, releases the import and waits for `run`."""
+    held, go = tmp_path / f"{tag}-file", tmp_path / f"{tag}-go"
+    held.touch()
+    source = (
+        "import os, time\n"
+        f"_held = open({str(held)!r})\n"
+        f"while not os.path.exists({str(go)!r}):\n"
+        "    time.sleep(0.01)\n" + GOOD
     )
+    results: list[object] = []
+    thread = threading.Thread(target=lambda: results.append(run(source)))
+    thread.start()
+    try:
+        (pid,) = until(lambda: holders(held), what="the import to start")
+        yield pid, results
+    finally:
+        go.touch()
+        thread.join()
+
+
+def kept_by(pid: int) -> int:
+    """The process that forked the validation `pid` and keeps it (polyserve.sandbox):
+    the parent the validation itself cannot see."""
+    return parent(pid)
 
 
 def waits_for(own: Path, other: Path) -> str:
@@ -179,22 +204,17 @@ def test_fork_servers_whose_masters_die_while_they_start_all_exit():
                 os.kill(pid, signal.SIGKILL)
 
 
-def imported_in(marker: Path) -> list[tuple[int, int]]:
-    """The (pid, parent pid) of each import recorder() saw, in order."""
-    return [tuple(map(int, line.split())) for line in marker.read_text().split("\n") if line]
-
-
 def test_a_validation_runs_in_a_child_of_the_server_not_in_it(tmp_path, server):
-    """The tenant module is imported by a forked child, never by the server itself."""
-    marker = tmp_path / "imported"
-    check(tmp_path, server.name, recorder(marker))
-    ((pid, parent),) = imported_in(marker)
-    assert parent == server.proc.pid and pid != server.proc.pid
+    """The tenant module is imported by the child of a keeper the server forked, never by
+    the server itself."""
+    with importing(tmp_path, lambda source: check(tmp_path, server.name, source)) as (pid, _):
+        keeper = kept_by(pid)
+        assert parent(keeper) == server.proc.pid and server.proc.pid not in (pid, keeper)
 
 
 def the_spares(server: forkserver.ForkServer, other_than: set[int] = frozenset()) -> set[int]:
-    """The server's children while no validation runs: the spares it forked ahead, once
-    there are as many as it keeps (and none of them is in `other_than`)."""
+    """The server's children while no validation runs: the keepers of the spares it forked
+    ahead, once there are as many as it keeps (and none of them is in `other_than`)."""
 
     def all_of_them() -> set[int] | None:
         found = set(children(server.proc.pid))
@@ -207,70 +227,115 @@ def warm(spares: set[int]) -> None:
     until(lambda: all(map(waiting_for_its_request, spares)), what="the spares to be warm")
 
 
-# recvmsg(2)'s number: the spare's main thread reads its request with it once warm (until
-# then it waits on its event loop, in epoll, while its worker thread warms up).
-RECVMSG = {"x86_64": 47, "aarch64": 212}[platform.machine()]
+def validation_of(keeper: int) -> int:
+    """The validation a spare's keeper forked (its one child)."""
+    (pid,) = until(lambda: children(keeper), what="the keeper's validation")
+    return pid
 
 
-def waiting_for_its_request(pid: int) -> bool:
-    """Warm: in the read of its request."""
-    return Path(f"/proc/{pid}/syscall").read_text().split()[0] == str(RECVMSG)
+def waiting_for_its_request(keeper: int) -> bool:
+    """Warm: the spare's validation is in the read of its request."""
+    syscall = Path(f"/proc/{validation_of(keeper)}/syscall").read_text()
+    return syscall.split()[0] == str(RECVMSG)
 
 
 def test_validations_run_in_the_spares_forked_ahead_and_others_follow(tmp_path):
     """The server forks its next children before they are asked for: a validation runs
     in one, and one right after it in the other. Once no validation runs it forks
     spares again; stopping the server stops them too."""
-    first, second = tmp_path / "first", tmp_path / "second"
     with running_forkserver() as server:
         spares = the_spares(server)
         warm(spares)
-        check(tmp_path, server.name, recorder(first))
-        check(tmp_path, server.name, recorder(second))
-        ((a, a_parent),), ((b, b_parent),) = imported_in(first), imported_in(second)
-        assert {a, b} == spares and a_parent == b_parent == server.proc.pid
+        keepers = []
+        for tag in ("first", "second"):
+            run = lambda source: check(tmp_path, server.name, source)  # noqa: E731
+            with importing(tmp_path, run, tag) as (pid, _):
+                keepers.append(kept_by(pid))
+        assert set(keepers) == spares
         following = the_spares(server, other_than=spares)
     until(lambda: not any(map(alive, following)), what="the spares to go with their server")
 
 
 def test_killed_spares_leave_the_server_forking_on_demand(tmp_path):
-    marker = tmp_path / "imported"
     with running_forkserver() as server:
         spares = the_spares(server)
         for pid in spares:
             os.kill(pid, signal.SIGKILL)
         until(lambda: not spares & set(children(server.proc.pid)), what="the spares reaped")
-        check(tmp_path, server.name, recorder(marker))
-        ((pid, parent),) = imported_in(marker)
-        assert parent == server.proc.pid and pid not in spares
-        the_spares(server, other_than={pid, *spares})  # and after it, spares again
+        with importing(tmp_path, lambda source: check(tmp_path, server.name, source)) as (v, _):
+            keeper = kept_by(v)
+            assert parent(keeper) == server.proc.pid and keeper not in spares
+        the_spares(server, other_than={keeper, *spares})  # and after it, spares again
 
 
-def test_a_spare_that_dies_before_it_reads_its_request_reports_no_exit_status(tmp_path):
-    """As when the server dies: the worker then validates in a new interpreter rather
-    than answer 422 for the tenant's code, which never ran."""
-    (tmp_path / "main.py").write_text(GOOD)
-    argv = [str(tmp_path), "main.py", "4096", "20"]
+def test_stopped_spares_are_not_handed_requests_but_replaced(tmp_path):
+    """A validation that can see the spares (without namespaces) may stop them: one that
+    is stopped would never read its request, and another tenant's deploy would wait for
+    its timeout. The server kills stopped spares, forks the request's child on demand,
+    and forks new spares."""
     with running_forkserver() as server:
         spares = the_spares(server)
         warm(spares)
-        for pid in spares:
-            os.kill(pid, signal.SIGSTOP)  # neither can read what the server passes on
+        for keeper in spares:
+            os.kill(validation_of(keeper), signal.SIGSTOP)
+        with importing(tmp_path, lambda source: check(tmp_path, server.name, source)) as (v, _):
+            keeper = kept_by(v)
+            assert parent(keeper) == server.proc.pid and keeper not in spares
+        the_spares(server, other_than={keeper, *spares})
 
-        async def handed_then_killed() -> tuple[int | None, bool]:
-            forked = await forkserver.fork(server.name, argv, None)
-            assert forked is not None and forked.pid in spares
-            os.kill(forked.pid, signal.SIGKILL)
-            for pid in spares - {forked.pid}:
-                os.kill(pid, signal.SIGCONT)
-            try:
-                return await forked.wait(), forked.server_gone
-            finally:
-                forked.close()
 
-        assert asyncio.run(handed_then_killed()) == (None, True)
-        assert server.proc.poll() is None
-        assert check(tmp_path, server.name, GOOD)["kind"] == "handle"
+def test_a_spare_that_does_not_take_its_request_is_killed_and_reports_no_exit_status(
+    monkeypatch,
+):
+    """A spare that has not read its request after _TAKE_S (stopped just as it was handed
+    it) is killed; as when the server dies, its worker gets no exit status and validates
+    in a new interpreter rather than answer 422 for the tenant's code, which never ran."""
+    monkeypatch.setattr(forkserver, "_TAKE_S", 0)
+    # This process is the server here: its other children are not strays to kill.
+    monkeypatch.setattr(forkserver.sandbox, "children", lambda pid: [])
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+        name = f"polyserve-test-take-{os.getpid()}"
+        listener.bind("\0" + name)
+        listener.listen(1)
+        listener.setblocking(False)
+        server = forkserver._Server(listener, os.getppid())
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:  # a warm spare that holds its socket and never reads what it is handed
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):  # nothing of this test's output may wait for it
+                os.dup2(null, fd)
+            os.closerange(3, theirs.fileno())
+            os.closerange(theirs.fileno() + 1, 1 << 16)
+            signal.pause()
+            os._exit(0)
+        theirs.close()
+        try:
+            until(lambda: os.getsid(pid) == pid, what="the spare's group")  # what is killed
+            pidfd = os.pidfd_open(pid)
+            server.selector.register(pidfd, forkserver.selectors.EVENT_READ, pid)
+            ours.setblocking(False)
+            server.selector.register(ours, forkserver.selectors.EVENT_READ, ("spare", pid))
+            server.ahead[pid] = forkserver._Spare(ours, pidfd, warm=True)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:
+                client.connect("\0" + name)
+                out_r, out_w = os.pipe()
+                request = json.dumps({"argv": ["/nonexistent", "main.py", "64", "1"]})
+                socket.send_fds(client, [request.encode()], [out_w, out_w])
+                os.close(out_w)
+                server.step(5)  # the connection
+                server.step(5)  # its request, handed to the spare
+                assert json.loads(client.recv(1024)) == {"pid": pid}
+                server.kill_overdue()  # past _TAKE_S: killed
+                until(lambda: server.step(0) or not server.untaken, what="the spare reaped")
+                assert client.recv(1024) == b""  # no exit status: the end of the connection
+                os.close(out_r)
+        finally:
+            if pid in server.ahead or pid in server.children:  # not reaped: still its pid
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        server.selector.close()
 
 
 def test_the_spares_hold_none_of_the_servers_sockets(server):
@@ -283,7 +348,9 @@ def test_the_spares_hold_none_of_the_servers_sockets(server):
 
     spares = the_spares(server)
     warm(spares)
-    for pid in spares:
+    for keeper in spares:
+        assert not sockets(keeper), "a keeper holds a socket"
+        pid = validation_of(keeper)
         assert sockets(pid), "a spare has no socket to read its request on"
         assert not sockets(pid) & sockets(server.proc.pid)
 
@@ -363,29 +430,34 @@ def test_a_process_of_another_user_gets_no_child(tmp_path, server):
 
 def test_a_validation_whose_server_is_killed_still_answers(tmp_path):
     """SIGKILL of the server mid-validation: the deploy validates in a new interpreter."""
-    started, go = tmp_path / "started", tmp_path / "go"
+    held, go = tmp_path / "held", tmp_path / "go"
+    held.touch()
     (tmp_path / "main.py").write_text(
         "import os, time\n"
-        f"with open({str(started)!r}, 'a') as f:\n"
-        "    f.write(f'{os.getppid()}\\n')\n"
+        f"_held = open({str(held)!r})\n"
         f"while not os.path.exists({str(go)!r}):\n"
         "    time.sleep(0.01)\n" + GOOD
     )
+    keepers = []
     with running_forkserver() as s:
 
         async def kill_then_release() -> dict[str, object]:
             task = asyncio.create_task(validate(tmp_path, "main.py", 20, 4096, forkserver=s.name))
-            while not started.exists():
+            while not (importing := holders(held)):
                 await asyncio.sleep(0.01)
+            keepers.append((kept_by(*importing), parent(kept_by(*importing))))
             os.kill(s.proc.pid, signal.SIGKILL)
-            while alive(s.proc.pid):  # once it is gone, its child has had its SIGKILL
+            while alive(s.proc.pid):  # once it is gone, its children have had their SIGKILL
                 await asyncio.sleep(0.01)
+            while not (importing := holders(held)) or kept_by(*importing) == keepers[0][0]:
+                await asyncio.sleep(0.01)
+            keepers.append((kept_by(*importing), parent(kept_by(*importing))))
             go.touch()
             return await task
 
         assert asyncio.run(kill_then_release())["kind"] == "handle"
-    parents = [int(line) for line in started.read_text().splitlines()]
-    assert parents[0] == s.proc.pid and parents[-1] == os.getpid()  # spawned by this process
+    # First forked by the server, then spawned by this process.
+    assert [by for _, by in keepers] == [s.proc.pid, os.getpid()]
 
 
 # -- through a host -------------------------------------------------------------------
@@ -393,13 +465,13 @@ def test_a_validation_whose_server_is_killed_still_answers(tmp_path):
 
 def test_a_deploy_validates_in_a_child_of_the_hosts_fork_server(fs_host, tmp_path):
     """The deploy's validation is forked by the master's fork server, which imports nothing
-    of the tenant's: the pid that imported the module first is its child, not itself."""
-    marker = tmp_path / "imported"
+    of the tenant's: the process that imports the module is its keeper's child."""
     server = fs_host.forkserver_pid()  # once warm: until then, deploys spawn
-    r = fs_host.deploy("fs/who", recorder(marker), headers=AUTH)
-    assert r.status_code == 200, r.text
-    pid, parent = map(int, marker.read_text().splitlines()[0].split())
-    assert parent == server and pid != server
+    deploy = lambda source: fs_host.deploy("fs/who", source, headers=AUTH)  # noqa: E731
+    with importing(tmp_path, deploy) as (pid, answers):
+        keeper = kept_by(pid)
+        assert parent(keeper) == server and server not in (pid, keeper)
+    assert answers[0].status_code == 200, answers[0].text
 
 
 def test_the_validation_child_sees_no_host_secret(fs_host, tmp_path):
@@ -407,17 +479,15 @@ def test_the_validation_child_sees_no_host_secret(fs_host, tmp_path):
     seen = tmp_path / "seen"
     source = (
         "import os\n"
-        f"if not os.path.exists({str(seen)!r}):  # the validation's import, not the worker's\n"
-        f"    with open({str(seen)!r}, 'w') as f:\n"
-        "        f.write(f'{os.getppid()}\\n')\n"
-        "        f.write(open('/proc/self/environ').read().replace('\\0', '\\n'))\n"
-        "        f.write('\\n'.join(os.environ))\n" + GOOD
+        # Imported once: no request loads it in the worker.
+        f"with open({str(seen)!r}, 'w') as f:\n"
+        "    f.write(open('/proc/self/environ').read().replace('\\0', '\\n'))\n"
+        "    f.write('\\n'.join(os.environ))\n" + GOOD
     )
-    server = fs_host.forkserver_pid()
+    fs_host.forkserver_pid()
     r = fs_host.deploy("fs/env", source, headers=AUTH)
     assert r.status_code == 200, r.text
-    parent, text = seen.read_text().split("\n", 1)
-    assert int(parent) == server
+    text = seen.read_text()
     assert "PATH" in text and "POLYSERVE_DEPLOY_TOKEN" not in text and ADMIN not in text
 
 
@@ -507,7 +577,6 @@ def test_with_the_fork_server_off_deploys_spawn_their_validator(host_factory, tm
     """POLYSERVE_VALIDATE_FORKSERVER=0: no fork server, and the validator is a new
     interpreter whose parent is the worker."""
     host = host_factory(workers=1, POLYSERVE_VALIDATE_FORKSERVER="0")
-    marker = tmp_path / "imported"
-    assert host.deploy("fs/off", recorder(marker)).status_code == 200
-    _, parent = map(int, marker.read_text().splitlines()[0].split())
-    assert parent in host.worker_pids() and forkserver_children(host) == []
+    with importing(tmp_path, lambda source: host.deploy("fs/off", source)) as (pid, answers):
+        assert parent(kept_by(pid)) in host.worker_pids() and forkserver_children(host) == []
+    assert answers[0].status_code == 200

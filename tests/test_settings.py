@@ -33,6 +33,7 @@ def test_a_bad_value_names_its_variable():
 def test_every_declaration_is_a_settings_field_and_back():
     declared = [s.name for s in settings.SETTINGS]
     declared.remove("deploy_token")  # read into deploy_token_sha256: no plaintext field
+    declared.remove("database_url_file")  # read into database_url
     assert declared == [f.name for f in dataclasses.fields(settings.Settings)]
 
 
@@ -99,14 +100,19 @@ def test_loading_the_environment_swaps_the_plaintext_for_its_hash(token_env):
     assert "POLYSERVE_DEPLOY_TOKEN" not in os.environ
     assert os.environ["POLYSERVE_DEPLOY_TOKEN_SHA256"] == TOKEN_SHA256
     # Unset in the C environment too: a child process does not inherit it.
-    child = subprocess.run(
+    child = child_environ()
+    assert TOKEN not in child and "'POLYSERVE_DEPLOY_TOKEN'" not in child
+    assert TOKEN_SHA256 in child
+
+
+def child_environ() -> str:
+    """The environment a child process of this one gets, as text."""
+    return subprocess.run(
         [sys.executable, "-c", "import os; print(sorted(os.environ.items()))"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    assert TOKEN not in child and "'POLYSERVE_DEPLOY_TOKEN'" not in child
-    assert TOKEN_SHA256 in child
 
 
 def test_forget_token_rewrites_any_mapping():
@@ -156,3 +162,43 @@ def test_the_memory_the_default_cap_divides_is_the_cgroup_limit_when_it_is_small
     assert limit() == 2048
     memory_max.write_text(f"{16 << 30}\n")
     assert limit() == 8192
+
+
+URL = "postgresql://polyserve:secret@db.internal/polyserve"
+
+
+def test_the_fleets_url_may_come_from_a_file(tmp_path):
+    path = tmp_path / "url"
+    path.write_text(URL + "\n")
+    assert settings.load({"POLYSERVE_DATABASE_URL_FILE": str(path)}).database_url == URL
+    both = {"POLYSERVE_DATABASE_URL_FILE": str(path), "POLYSERVE_DATABASE_URL": URL}
+    with pytest.raises(ValueError, match="both set") as e:
+        settings.load(both)
+    assert URL not in str(e.value)
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="POLYSERVE_DATABASE_URL_FILE: the file is empty"):
+        settings.load({"POLYSERVE_DATABASE_URL_FILE": str(path)})
+    with pytest.raises(ValueError, match="POLYSERVE_DATABASE_URL_FILE: cannot read it"):
+        settings.load({"POLYSERVE_DATABASE_URL_FILE": str(tmp_path / "missing")})
+
+
+def test_the_master_withholds_the_fleets_url_from_its_environment(monkeypatch, tmp_path):
+    """Out of os.environ (so no child process and no space's os.environ gets it), and
+    still what load() says, in this process and in the workers it forks."""
+    monkeypatch.setattr(settings, "_withheld", {})
+    monkeypatch.setenv("POLYSERVE_DATABASE_URL", URL)
+    settings.withhold(settings.load().database_url)
+    assert "POLYSERVE_DATABASE_URL" not in os.environ
+    assert settings.load().database_url == URL
+    child = child_environ()
+    assert URL not in child and "POLYSERVE_DATABASE_URL" not in child
+    # Another mapping only loses the variables: the process's own URL is kept apart.
+    given = {"POLYSERVE_DATABASE_URL_FILE": str(tmp_path / "url"), "HOME": "/h"}
+    settings.withhold("", given)
+    assert given == {"HOME": "/h"}
+    assert settings.load({}).database_url == ""
+
+
+def test_the_scrubbed_environment_has_no_database_url_variables():
+    given = {"POLYSERVE_DATABASE_URL": URL, "POLYSERVE_DATABASE_URL_FILE": "/f", "HOME": "/h"}
+    assert settings.scrubbed_environ(given) == {"HOME": "/h"}
