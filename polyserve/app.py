@@ -115,7 +115,9 @@ async def running_host(
         broadcast=broadcast,
         registry=registry,
         dispatch=Dispatch(registry, usage, deadlines, pools, s.max_infer_mb << 20),
-        deploys=Deploys(s, store, broadcast, table, threads, registry.refresh, fleet),
+        deploys=Deploys(
+            s, store, broadcast, table, threads, registry.refresh, fleet, registry.floor
+        ),
         logs=logs,
     )
     # Off the main thread (an in-process test client) there is no signal handler:

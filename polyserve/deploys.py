@@ -44,6 +44,7 @@ class Deploys:
         threads: anyio.CapacityLimiter | None,
         refresh: Callable[[], None],
         fleet: FleetClient | None = None,
+        floor: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -52,6 +53,7 @@ class Deploys:
         self.threads = threads  # the host's own threads: no tenant can exhaust them
         self.refresh = refresh  # this worker's own swap, which no signal reaches
         self.fleet = fleet  # with POLYSERVE_DATABASE_URL: the fleet's database decides
+        self.floor = floor  # a worker's memory holding no space, once its registry knows
 
     async def deploy(
         self, space: str, upload: BinaryIO, filename: str
@@ -72,6 +74,7 @@ class Deploys:
                 forkserver=hooks.forkserver_name(),
                 namespaces=s.validate_namespaces,
             )
+            self._fits(staged.entry, int(checked.pop("memory_bytes", 0)))  # type: ignore[call-overload]
             if installed is not None:
                 checked["dependencies"] = installed.answer()
             if self.fleet is None:
@@ -100,6 +103,26 @@ class Deploys:
             return 200, body
         status, body["hosts"] = await self.fleet.applied(change)
         return status, body
+
+    def _fits(self, entry: str, need: int) -> None:
+        """Refuse a version whose load alone would take a worker past its memory cap: it
+        would deploy, then answer 503 to every request. A worker holding no space holds
+        `floor` already (the least its registry measured, when it has)."""
+        cap = self.settings.worker_memory_mb << 20
+        if not cap:
+            return
+        floor = self.floor() or 0
+        if floor + need <= cap:
+            return
+        held = f", beside the {floor >> 20} MiB a worker holds with no space," if floor else ""
+        raise ClientError(
+            422,
+            f"loading {entry} takes {-(-need >> 20)} MiB of memory{held} and a worker may hold"
+            f" {cap >> 20} MiB (POLYSERVE_WORKER_MEMORY_MB): no worker could load it; make"
+            " its import smaller or raise the cap",
+            memory_mib=-(-need >> 20),
+            cap_mib=cap >> 20,
+        )
 
     async def _dependencies(self, staged: Staged) -> deps.Installed | None:
         """The staged version's dependency set, installed (or found installed), or None

@@ -466,6 +466,13 @@ class Registry:
             )
         return NoRoom(space, memory, self.memory_cap, f"{took}, and {why}")
 
+    def floor(self) -> int | None:
+        """The least memory this worker was measured at holding nothing, measured now if
+        it holds nothing and was not yet (None: it holds spaces and was never empty)."""
+        if self._floor is None and not (self.active or self._reserved or self._checking):
+            self._floor = self.memory()
+        return self._floor
+
     def _room_lock(self) -> asyncio.Lock:
         """The room check's lock, for the running loop (an asyncio lock is bound to one)."""
         loop = asyncio.get_running_loop()

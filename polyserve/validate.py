@@ -27,6 +27,7 @@ from typing import NoReturn
 from polyserve import forkserver as forkserver_mod
 from polyserve import sandbox
 from polyserve.errors import ClientError
+from polyserve.meter import anon_bytes
 
 STDERR_TAIL = 2000  # bytes of the import's stderr kept for the error body
 _RESULT_MAX = 64 << 10  # the result line is small; anything past this is tenant noise
@@ -144,6 +145,7 @@ async def _wait(
             stderr=stderr,
         )
     checked = {"kind": result["kind"], "import_ms": result["import_ms"]}
+    checked["memory_bytes"] = result.get("memory_bytes", 0)  # the deploy checks, then drops it
     if result["kind"] == "model":  # what the protocol's metadata will say of it
         checked |= {"inputs": result.get("inputs"), "outputs": result.get("outputs")}
     return checked
@@ -207,6 +209,7 @@ async def _check(
     # anyio starts its worker threads at first use; a worker pays that at boot (a fork
     # server's spare before its request), so the import time reported is the module's own.
     await anyio.to_thread.run_sync(lambda: None)
+    before = anon_bytes()
     started = time.perf_counter()
     try:
         imported = await anyio.to_thread.run_sync(
@@ -216,8 +219,15 @@ async def _check(
     except loader.LoadError as exc:
         return {"ok": False, **exc.details}, exc.__cause__
     import_ms = round((time.perf_counter() - started) * 1000, 3)
+    # What the load added to this process, measured as a worker's memory cap measures it.
+    grew = max(anon_bytes() - before, 0)
     await loader.stop(imported, timeout)
-    result: dict[str, object] = {"ok": True, "kind": imported.kind, "import_ms": import_ms}
+    result: dict[str, object] = {
+        "ok": True,
+        "kind": imported.kind,
+        "import_ms": import_ms,
+        "memory_bytes": grew,
+    }
     model = getattr(imported.app, "model", None) if imported.kind == "model" else None
     if model is not None:
         result |= model.describe()

@@ -132,3 +132,23 @@ def test_a_burst_of_cold_loads_waits_for_room_and_leaves_a_worker_that_can_load_
         assert r.status_code == 200, r.text
         assert anon_mb(pid) <= BURST_CAP_MB
     assert host.worker_pids() == {pid}
+
+
+@pytest.mark.gunicorn
+def test_a_version_no_worker_could_load_under_the_cap_is_refused_at_deploy(host_factory):
+    """Its validation measures what the load takes: past the cap (beside what a worker
+    holds with no space) the deploy is a 422 saying so, and the kept version serves on."""
+    host = host_factory(workers=1, POLYSERVE_WORKER_MEMORY_MB=str(CAP_MB))
+    small = f"BLOB = bytearray({SPACE_MB} << 20)\ndef handle(request):\n    return 'small'\n"
+    assert host.deploy("o/grow", small).status_code == 200
+    big = f"BLOB = bytearray({CAP_MB + 20} << 20)\ndef handle(request):\n    return 'big'\n"
+    refused = host.deploy("o/grow", big)
+    assert refused.status_code == 422, refused.text
+    body = refused.json()
+    assert "POLYSERVE_WORKER_MEMORY_MB" in body["error"] and body["cap_mib"] == CAP_MB
+    assert body["memory_mib"] >= CAP_MB + 20
+    # Not over the cap alone, only beside an idle worker's own memory.
+    near = f"BLOB = bytearray({CAP_MB - 10} << 20)\ndef handle(request):\n    return 'near'\n"
+    assert host.deploy("o/grow", near).status_code == 422
+    assert host.get("/s/o/grow/").text == "small"
+    assert host.get("/_polyserve/spaces/o/grow/versions").json()["current"] == 1
