@@ -62,7 +62,7 @@ settings-table: $(VENV)/.installed-host
 # A fresh admin token (give it to deployers) and the POLYSERVE_DEPLOY_TOKEN_SHA256=... line
 # to start the host with: the host then never holds the token itself.
 token: $(VENV)/.installed-host
-	@$(BIN)/python -m polyserve.auth admin-token
+	@$(BIN)/python -m polyserve.control.auth admin-token
 
 clean:
 	rm -rf $(VENV) polyserve-data .pytest_cache .ruff_cache *.egg-info

@@ -1,20 +1,20 @@
-"""gunicorn configuration: values from polyserve.settings, hooks from polyserve.hooks.
+"""gunicorn configuration: values from polyserve.settings, hooks from polyserve.master.hooks.
 
 gunicorn reads every top-level name here as a setting, so helpers are underscored.
 """
 
 import os as _os
 
-from polyserve import hooks as _hooks
 from polyserve import settings as _settings
+from polyserve.master import hooks as _hooks
 
 _s = _settings.load()
 
 bind = _s.bind
 workers = _s.workers
 # uvicorn-worker's UvicornWorker, with a shutdown that answers what it accepted:
-# see polyserve/worker.py.
-worker_class = "polyserve.worker.Worker"
+# see polyserve/http/worker.py.
+worker_class = "polyserve.http.worker.Worker"
 wsgi_app = "polyserve.app:app"
 timeout = _s.worker_timeout
 # With setproctitle, ps shows "gunicorn: master [polyserve 127.0.0.1:8441]" and

@@ -38,7 +38,7 @@ async def timed_call(reg) -> float:
 def footprint() -> dict[str, int]:
     """Live Python objects and modules are exact; RSS also shows the allocator warming
     up (measured here: a few KiB per cycle for the first ~1,000 cycles, then ~0)."""
-    from polyserve.meter import rss_bytes
+    from polyserve.usage.meter import rss_bytes
 
     gc.collect()
     return {

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
 
-from polyserve.meter import rss_bytes
+from polyserve.usage.meter import rss_bytes
 
 
 async def load_all(data_dir: Path, spaces: int) -> dict[str, float]:

@@ -172,7 +172,7 @@ def deploy(url: str, space: str, filename: str, content: bytes) -> dict:
 
 def forkserver_pid(server: Server, timeout: float = 60) -> int:
     """The host's validation fork server, once it listens (it warms up after the start)."""
-    from polyserve.forkserver import listening
+    from polyserve.deploy.forkserver import listening
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -181,7 +181,7 @@ def forkserver_pid(server: Server, timeout: float = 60) -> int:
             capture_output=True,
             text=True,
         ).stdout.splitlines()
-        found = [int(line.split()[0]) for line in out if "polyserve.forkserver" in line]
+        found = [int(line.split()[0]) for line in out if "polyserve.deploy.forkserver" in line]
         if found and listening(found[0]):
             return found[0]
         time.sleep(0.05)
@@ -246,7 +246,7 @@ def publish_example(data_dir: Path, space: str, max_spaces: int = 16) -> None:
     import io
     import tarfile
 
-    from polyserve.store import Store
+    from polyserve.state.store import Store
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -260,11 +260,11 @@ def publish_example(data_dir: Path, space: str, max_spaces: int = 16) -> None:
 
 def registry(data_dir: Path, clock, max_spaces: int = 16):
     """One worker's registry over a private table, as a worker builds it."""
-    from polyserve.broadcast import Broadcast
-    from polyserve.meter import CELLS, Meter
-    from polyserve.shm import Table
-    from polyserve.spaces import Registry
-    from polyserve.store import Store
+    from polyserve.serve.spaces import Registry
+    from polyserve.state.broadcast import Broadcast
+    from polyserve.state.shm import Table
+    from polyserve.state.store import Store
+    from polyserve.usage.meter import CELLS, Meter
 
     table = Table.anonymous(1, max_spaces, CELLS)
     return Registry(

@@ -32,8 +32,9 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from polyserve import settings, strict
+from polyserve import settings
 from polyserve.app import HostApp, create_app
+from polyserve.http import strict
 
 SPACE = "lee101/onnx-tiny"
 A_REQUEST = f"GET /s/{SPACE}/ HTTP/1.1\r\nHost: 127.0.0.1:8441\r\n\r\n".encode()
@@ -101,7 +102,7 @@ async def rounds(count: int, n: int) -> dict[str, object]:
 
     host = create_app(settings.load())
     forwarded = GunicornConfig().forwarded_allow_ips
-    host.trust_forwarded(forwarded)  # as polyserve.worker.Worker does
+    host.trust_forwarded(forwarded)  # as polyserve.http.worker.Worker does
     async with lifespan(host):
         a = Connection(strict.protocol(GunicornConfig()), host, A_REQUEST, proxy_headers=False)
         b = Connection(

@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from polyserve import spacelog
-from polyserve.logstore import LogStore
+from polyserve.logs import spacelog
+from polyserve.logs.logstore import LogStore
 
 
 def with_var(tag: spacelog.Tag, n: int) -> float:

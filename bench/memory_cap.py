@@ -34,7 +34,7 @@ def handle(request):
 
 
 def publish(data_dir: Path, spaces: int, mib: int) -> None:
-    from polyserve.store import Store
+    from polyserve.state.store import Store
 
     store = Store(data_dir, spaces)
     source = SPACE.replace("MIB", str(mib)).encode()
@@ -50,7 +50,7 @@ def worker_pid(master: int) -> int:
     children = Path(f"/proc/{master}/task/{master}/children").read_text().split()
     for child in children:
         cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        if b"polyserve.forkserver" not in cmdline:
+        if b"polyserve.deploy.forkserver" not in cmdline:
             return int(child)
     raise RuntimeError("the host has no worker")
 

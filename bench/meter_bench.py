@@ -11,8 +11,8 @@ import json
 import statistics
 import time
 
-from polyserve.meter import CELLS, Meter, now_us
-from polyserve.shm import Table
+from polyserve.state.shm import Table
+from polyserve.usage.meter import CELLS, Meter, now_us
 
 
 def metered(meter: Meter, n: int) -> float:

@@ -39,7 +39,7 @@ def worker_pid(master: int) -> int:
     out = subprocess.run(
         ["ps", "-o", "pid=,args=", "--ppid", str(master)], capture_output=True, text=True
     ).stdout.splitlines()
-    (pid,) = [int(line.split()[0]) for line in out if "polyserve.forkserver" not in line]
+    (pid,) = [int(line.split()[0]) for line in out if "polyserve.deploy.forkserver" not in line]
     return pid
 
 

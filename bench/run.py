@@ -480,7 +480,7 @@ def scenario_strict(args, tmp: Path) -> dict:
         runs = ab_rounds(a.url + "/s/lee101/hello/", b.url + "/s/lee101/hello/", args)
     return {
         "a": "the hello space on polyserve, whose worker refuses malformed requests"
-        " (polyserve/strict.py)",
+        " (polyserve/http/strict.py)",
         "b": "the same on polyserve with uvicorn's own httptools protocol"
         " (bench/apps/plain_worker.py); in-process, the two protocols alone",
         "goal": "in-process <= 1.5 us more per request (data_received, median), -c 32 ratio"

@@ -1,5 +1,5 @@
 """What polyserve's strict HTTP protocol costs per request: uvicorn's httptools protocol
-and polyserve's (polyserve/strict.py) serve the same keep-alive GETs in-process, on uvloop,
+and polyserve's (polyserve/http/strict.py) serve the same keep-alive GETs in-process, on uvloop,
 in alternating rounds; prints one JSON object (median µs per request of each, and the
 difference).
 
@@ -25,7 +25,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from polyserve import strict
+from polyserve.http import strict
 
 # What wrk sends to the dispatch-overhead scenario's space, byte for byte.
 REQUEST = b"GET /s/lee101/hello/ HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n\r\n"

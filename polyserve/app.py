@@ -23,21 +23,25 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from polyserve import dashboard, hooks, meter, openapi, prometheus, spacelog, warmup
 from polyserve import settings as settings_mod
-from polyserve.auth import Auth
-from polyserve.broadcast import SIGNAL, Broadcast
-from polyserve.deadlines import Deadlines
-from polyserve.deploys import Deploys, rollback_request
-from polyserve.dispatch import Dispatch, answer
+from polyserve.control import dashboard, openapi
+from polyserve.control.auth import Auth
+from polyserve.deploy.deploys import Deploys, rollback_request
 from polyserve.errors import ClientError
-from polyserve.inference import InferenceRoutes
-from polyserve.logstore import LogStore
-from polyserve.mapped import mapped_by_space
-from polyserve.meter import CELLS, Meter
-from polyserve.shm import Table
-from polyserve.spaces import Registry
-from polyserve.store import Store
+from polyserve.logs import spacelog
+from polyserve.logs.logstore import LogStore
+from polyserve.master import hooks
+from polyserve.serve import warmup
+from polyserve.serve.deadlines import Deadlines
+from polyserve.serve.dispatch import Dispatch, answer
+from polyserve.serve.inference import InferenceRoutes
+from polyserve.serve.spaces import Registry
+from polyserve.state.broadcast import SIGNAL, Broadcast
+from polyserve.state.shm import Table
+from polyserve.state.store import Store
+from polyserve.usage import meter, prometheus
+from polyserve.usage.mapped import mapped_by_space
+from polyserve.usage.meter import CELLS, Meter
 
 if TYPE_CHECKING:
     from polyserve.fleet.client import FleetClient
@@ -286,7 +290,7 @@ class ControlPlane:
 
     async def _mapped(self) -> dict[str, int]:
         """Bytes of each space's version files the workers map (model weights through
-        polyserve.models), counted once for the host (polyserve/mapped.py)."""
+        polyserve.models), counted once for the host (polyserve/usage/mapped.py)."""
         host = self.running
         pids = [pid for pid in host.table.pids.tolist() if pid]
         # On a host thread: reading every worker's maps is a few system calls each.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from polyserve.shm import segment_name
+from polyserve.state.shm import segment_name
 from tests.helpers import HOST_FIXTURES, HostProcess, module_host
 from tests.postgres import INSTALL_HINT, PostgresServer, find_bindir
 

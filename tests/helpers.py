@@ -22,8 +22,8 @@ from typing import Any, ClassVar, TypeVar
 import httpx2 as httpx
 import pytest
 
-from polyserve.forkserver import SPARES, ForkServer
-from polyserve.forkserver import listening as forkserver_listening
+from polyserve.deploy.forkserver import SPARES, ForkServer
+from polyserve.deploy.forkserver import listening as forkserver_listening
 from polyserve.settings import scrubbed_environ
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,7 +101,7 @@ def descendants(pid: int) -> set[int]:
 
 def warm_spares(server: int) -> set[int]:
     """A fork server's spare validations, once as many as it keeps are warm (in the read
-    of their request): its children, or (with polyserve.sandbox) its children's."""
+    of their request): its children, or (with polyserve.deploy.sandbox) its children's."""
 
     def reading() -> set[int]:
         found = set()
@@ -154,7 +154,7 @@ def _state(pid: int) -> str:
 
 
 FOLLOWER = "polyserve.fleet.follower"  # in the follower process's command line
-FORKSERVER = "polyserve.forkserver"  # in the validation fork server's
+FORKSERVER = "polyserve.deploy.forkserver"  # in the validation fork server's
 
 
 class HostProcess:

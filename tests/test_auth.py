@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 from starlette.testclient import TestClient
 
-from polyserve import auth as auth_mod
 from polyserve import settings
 from polyserve.app import create_app
-from polyserve.auth import EXIT_BAD_TOKENS_FILE, add_token, digest, load_tokens
+from polyserve.control import auth as auth_mod
+from polyserve.control.auth import EXIT_BAD_TOKENS_FILE, add_token, digest, load_tokens
 from tests.helpers import REPO, HostProcess
 
 HELLO = ("main.py", b"def handle(request):\n    return 'hi'\n")
@@ -95,7 +95,7 @@ def test_tokens_are_stored_hashed(tmp_path):
 def test_the_command_prints_a_token_once_and_stores_its_hash(tmp_path):
     tokens = tmp_path / "tokens.txt"
     out = subprocess.run(
-        [sys.executable, "-m", "polyserve.auth", "add", "lee101", "--file", str(tokens)],
+        [sys.executable, "-m", "polyserve.control.auth", "add", "lee101", "--file", str(tokens)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -136,7 +136,7 @@ def test_no_plaintext_admin_token_is_kept(tmp_path):
 
 def test_the_admin_token_command_prints_a_token_and_its_hash():
     out = subprocess.run(
-        [sys.executable, "-m", "polyserve.auth", "admin-token"],
+        [sys.executable, "-m", "polyserve.control.auth", "admin-token"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -20,8 +20,8 @@ from typing import TypeVar
 
 import pytest
 
-from polyserve.pack import PackError, pack
-from polyserve.render import human_bytes, human_ms, table
+from polyserve.cli.pack import PackError, pack
+from polyserve.cli.render import human_bytes, human_ms, table
 from tests.helpers import HostProcess, free_port, until
 
 _SCRIPT = Path(sys.executable).parent / "polyserve"

@@ -1,4 +1,4 @@
-"""polyserve.cycle: the bytes of every answer are uvicorn's, in one write where the response's
+"""polyserve.http.cycle: the bytes of every answer are uvicorn's, in one write where the response's
 length is known, and a stream's head still leaves before its first chunk."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
-from polyserve import strict
-from polyserve.cycle import Cycle
+from polyserve.http import strict
+from polyserve.http.cycle import Cycle
 
 App = Callable[[Any, Any, Any], Awaitable[None]]
 GET = b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"
@@ -231,7 +231,7 @@ def test_a_response_abandoned_after_its_start_sends_nothing():
     assert len(uvicorns) == 2 and uvicorns[0].startswith(b"HTTP/1.1 200 "), uvicorns
 
 
-# uvicorn 0.54's RequestResponseCycle.send, which polyserve/cycle.py copies (compared as
+# uvicorn 0.54's RequestResponseCycle.send, which polyserve/http/cycle.py copies (compared as
 # syntax trees: the lines are wrapped to fit ours).
 UPSTREAM_SEND = """
 async def send(self, message: ASGISendEvent) -> None:
@@ -352,22 +352,22 @@ async def send(self, message: ASGISendEvent) -> None:
 
 
 def test_upstream_send_is_what_cycle_py_copied():
-    """uvicorn's RequestResponseCycle.send is still the one polyserve/cycle.py copied."""
+    """uvicorn's RequestResponseCycle.send is still the one polyserve/http/cycle.py copied."""
     upstream = textwrap.dedent(inspect.getsource(RequestResponseCycle.send))
     assert ast.dump(ast.parse(upstream)) == ast.dump(ast.parse(UPSTREAM_SEND)), (
-        "uvicorn's RequestResponseCycle.send changed: bring polyserve/cycle.py's copy in"
+        "uvicorn's RequestResponseCycle.send changed: bring polyserve/http/cycle.py's copy in"
         f" step, then its text here. It is now:\n{upstream}"
     )
 
 
 def test_upstream_run_asgi_is_what_cycle_py_copied():
-    """polyserve/cycle.py's run_asgi is uvicorn's RequestResponseCycle.run_asgi but for its
+    """polyserve/http/cycle.py's run_asgi is uvicorn's RequestResponseCycle.run_asgi but for its
     first statement (the wait at the door)."""
     upstream = textwrap.dedent(inspect.getsource(RequestResponseCycle.run_asgi))
     ours = ast.parse(textwrap.dedent(inspect.getsource(Cycle.run_asgi))).body[0]
     assert isinstance(ours, ast.AsyncFunctionDef) and isinstance(ours.body[0], ast.If)
     ours.body = ours.body[1:]
     assert ast.dump(ours) == ast.dump(ast.parse(upstream).body[0]), (
-        "uvicorn's RequestResponseCycle.run_asgi changed: bring polyserve/cycle.py's copy in"
+        "uvicorn's RequestResponseCycle.run_asgi changed: bring polyserve/http/cycle.py's copy in"
         f" step. It is now:\n{upstream}"
     )

@@ -11,8 +11,8 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from polyserve import dashboard
-from polyserve.auth import digest
+from polyserve.control import dashboard
+from polyserve.control.auth import digest
 from tests.helpers import HostProcess
 
 CHROMIUM = Path("/usr/bin/chromium")

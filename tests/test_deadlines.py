@@ -1,4 +1,4 @@
-"""polyserve.deadlines: the watchdog cancels only overdue requests (unit tests), and on a
+"""polyserve.serve.deadlines: the watchdog cancels only overdue requests (unit tests), and on a
 real host a request waiting for a cold load gets its 504 too."""
 
 import asyncio
@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from polyserve.deadlines import Deadlines
+from polyserve.serve.deadlines import Deadlines
 from tests.helpers import until
 
 

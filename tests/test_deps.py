@@ -19,9 +19,11 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from starlette.testclient import TestClient
 
-from polyserve import deps, loader, requirements, settings
+from polyserve import settings
 from polyserve.app import create_app
+from polyserve.deploy import deps, requirements
 from polyserve.errors import ClientError
+from polyserve.serve import loader
 from tests.helpers import make_tar
 from tests.wheels import TESTPKG, compiled_wheel, make_testpkg, wheel, wheelhouse
 
@@ -465,7 +467,7 @@ def test_uv_gets_none_of_the_hosts_secrets_or_uv_settings(tmp_path, monkeypatch)
 
 def test_a_fleet_host_refuses_dependencies_it_cannot_install_everywhere(tmp_path):
     """Until the follower installs sets, a fleet deploy with dependencies is refused."""
-    from polyserve.deploys import Deploys
+    from polyserve.deploy.deploys import Deploys
 
     root = space_dir(tmp_path, {"main.py": V1, "requirements.txt": "pkg-a\n"})
     staged = type("Staged", (), {"dir": root})()

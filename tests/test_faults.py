@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx2
 
-from polyserve.shm import segment_name
+from polyserve.state.shm import segment_name
 from tests.helpers import HostProcess, until
 
 SYNC = "import os\ndef handle(request):\n    return {'pid': os.getpid()}\n"

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from polyserve import forkserver
+from polyserve.deploy import forkserver
+from polyserve.deploy.validate import validate
 from polyserve.errors import ClientError
-from polyserve.validate import validate
 from tests.helpers import (
     FORKSERVER,
     RECVMSG,
@@ -86,7 +86,7 @@ def importing(
 
 
 def kept_by(pid: int) -> int:
-    """The process that forked the validation `pid` and keeps it (polyserve.sandbox):
+    """The process that forked the validation `pid` and keeps it (polyserve.deploy.sandbox):
     the parent the validation itself cannot see."""
     return parent(pid)
 
@@ -158,7 +158,7 @@ def test_a_child_that_ends_as_its_client_hangs_up_leaves_the_loop_serving():
 # dies `delay` s later, while the server is still starting or warming up.
 DYING_MASTER = """
 import os, subprocess, sys, time
-argv = [sys.executable, "-m", "polyserve.forkserver", sys.argv[1], str(os.getpid())]
+argv = [sys.executable, "-m", "polyserve.deploy.forkserver", sys.argv[1], str(os.getpid())]
 server = subprocess.Popen(
     [*argv, "numpy,onnxruntime"],
     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from polyserve import settings, store
+from polyserve import settings
 from polyserve.app import create_app
+from polyserve.state import store
 from tests.helpers import make_tar
 
 V1 = ("main.py", b"def handle(request):\n    return 'v1'\n")

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from polyserve.control.openapi import SPEC
 from polyserve.errors import ClientError
 from polyserve.names import parse_space
-from polyserve.openapi import SPEC
-from polyserve.store import Store
+from polyserve.state.store import Store
 
 PIECES = ["a", "b.py", "main.py", "..", ".", "", "/", "x/../y", "\\", "é", "lib", "..."]
 path_text = st.lists(st.sampled_from(PIECES), min_size=1, max_size=4).map("/".join)

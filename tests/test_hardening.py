@@ -18,7 +18,7 @@ from websockets.sync.client import connect
 
 from polyserve import settings as settings_mod
 from polyserve.app import create_app
-from polyserve.worker import Worker
+from polyserve.http.worker import Worker
 from tests.helpers import HostProcess, module_host, until
 
 MiB = 1 << 20

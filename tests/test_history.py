@@ -14,8 +14,8 @@ from starlette.testclient import TestClient
 
 from polyserve import settings
 from polyserve.app import create_app
-from polyserve.auth import add_token
-from polyserve.deploys import rollback_request
+from polyserve.control.auth import add_token
+from polyserve.deploy.deploys import rollback_request
 from polyserve.errors import ClientError
 from tests.helpers import HostProcess, make_tar, until
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx2
 
-from polyserve.hooks import EXIT_DATA_DIR_BUSY
-from polyserve.shm import segment_name
+from polyserve.master.hooks import EXIT_DATA_DIR_BUSY
+from polyserve.state.shm import segment_name
 from tests.helpers import REPO, HostProcess, make_tar, until
 
 WHO = """

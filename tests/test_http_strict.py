@@ -27,7 +27,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from polyserve import strict
+from polyserve.http import strict
 from tests.helpers import HostProcess, module_host
 
 H = b"Host: a\r\n"
@@ -324,7 +324,7 @@ def data_segments_in(s: socket.socket) -> int:
 
 
 def test_a_small_answer_arrives_in_one_segment(space):
-    """A handle() answer's head and body leave in one write (polyserve/cycle.py): over a
+    """A handle() answer's head and body leave in one write (polyserve/http/cycle.py): over a
     real socket, each of 20 keep-alive answers is one TCP segment, not two."""
     with socket.create_connection(("127.0.0.1", space.port), timeout=30) as s:
         before = data_segments_in(s)
@@ -395,7 +395,7 @@ def test_a_trailer_field_that_never_ends_is_refused(reader):
     assert sent < 32 << 20, "the worker read all 32 MiB without refusing"
     assert_refused(answer)
     # Its last chunk came in the read that carried its head: held at the door until the
-    # trailer section ends (polyserve/cycle.py), it never reached the space.
+    # trailer section ends (polyserve/http/cycle.py), it never reached the space.
     assert counters(reader, READER) == before
     assert reader.worker_pids() == {pid}
     assert reader.get("/s/o/reader/").json() == {"n": 0}
@@ -599,10 +599,10 @@ def on_message_complete(self) -> None:
     ],
 )
 def test_upstream_methods_are_what_strict_py_copied(method, copied):
-    """uvicorn's methods that polyserve/strict.py copies are still the ones it copied."""
+    """uvicorn's methods that polyserve/http/strict.py copies are still the ones it copied."""
     upstream = textwrap.dedent(inspect.getsource(getattr(HttpToolsProtocol, method)))
     assert ast.dump(ast.parse(upstream)) == ast.dump(ast.parse(copied)), (
-        f"uvicorn's HttpToolsProtocol.{method} changed: bring polyserve/strict.py's copy in"
+        f"uvicorn's HttpToolsProtocol.{method} changed: bring polyserve/http/strict.py's copy in"
         f" step, then its text here. It is now:\n{upstream}"
     )
 

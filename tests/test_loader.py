@@ -1,4 +1,4 @@
-"""Unit tests of polyserve.loader: fresh namespaces, per-version imports, handle(), lifespan."""
+"""Unit tests of polyserve.serve.loader: fresh namespaces, versions, handle(), lifespan."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from starlette.responses import JSONResponse
 from starlette.testclient import TestClient
 
-from polyserve import loader
+from polyserve.serve import loader
 
 
 def write(root: Path, files: dict[str, str]) -> Path:

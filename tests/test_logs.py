@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 
 from polyserve import settings
 from polyserve.app import create_app
-from polyserve.auth import digest
+from polyserve.control.auth import digest
 from tests.helpers import HostProcess, module_host, until
 
 host = module_host("host")
@@ -240,7 +240,7 @@ app = Starlette(routes=[Route("/", home)], lifespan=lifespan)
     # The deploy's validation imports in a process of its own, where this module works.
     flaky = (
         "import sys\n"
-        "if 'polyserve.dispatch' in sys.modules:\n"
+        "if 'polyserve.serve.dispatch' in sys.modules:\n"
         "    raise RuntimeError('no model file in this worker')\n"
         "def handle(request):\n"
         "    return 'ok'\n"

@@ -1,4 +1,4 @@
-"""Unit tests of polyserve.logstore: a space's log segments, their bound, cursors and rotation."""
+"""Unit tests of polyserve.logs.logstore: a space's log segments, bound, cursors, rotation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from polyserve.logstore import CURRENT, LogStore
+from polyserve.logs.logstore import CURRENT, LogStore
 
 SPACE = "o/s"
 

@@ -19,9 +19,10 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from polyserve import leftover, meter
-from polyserve.meter import CELLS, Cell
-from polyserve.shm import H_ALIVE, Table, segment_name
+from polyserve.master import leftover
+from polyserve.state.shm import H_ALIVE, Table, segment_name
+from polyserve.usage import meter
+from polyserve.usage.meter import CELLS, Cell
 from tests.helpers import HostProcess, alive, until
 
 SHM = Path("/dev/shm")

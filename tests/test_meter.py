@@ -1,4 +1,4 @@
-"""Unit tests of polyserve.meter and the table layout, with simulated workers (no forking)."""
+"""Unit tests of polyserve.usage.meter and the table layout, with simulated workers (no forking)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from polyserve import meter, prometheus
-from polyserve.meter import CELLS, Cell, Meter
-from polyserve.shm import HEADER_WORDS, MAGIC, Table
-from polyserve.slots import Ledger, SlotLog
+from polyserve.state.shm import HEADER_WORDS, MAGIC, Table
+from polyserve.state.slots import Ledger, SlotLog
+from polyserve.usage import meter, prometheus
+from polyserve.usage.meter import CELLS, Cell, Meter
 
 NAMES = ["o/a", "o/b", "o/c"]
 SPACES = Ledger(NAMES, offsets={}, retired={})  # three slots, none handed over

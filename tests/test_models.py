@@ -15,7 +15,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from polyserve import mapped, models
+from polyserve import models
+from polyserve.usage import mapped
 from tests.helpers import REPO, module_host, until
 
 _spec = importlib.util.spec_from_file_location("bench_matmul", REPO / "bench" / "matmul.py")

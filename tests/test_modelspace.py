@@ -1,4 +1,4 @@
-"""polyserve.modelspace in one process: where session.run runs, and what an answer carries."""
+"""polyserve.serve.modelspace in one process: where session.run runs, and what an answer carries."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import onnxruntime as ort
 import orjson
 
-from polyserve.modelspace import INLINE_S, SLOW_RUNS, InferenceApp, Model, parse
-from polyserve.protocol import TensorSpec
+from polyserve.serve.modelspace import INLINE_S, SLOW_RUNS, InferenceApp, Model, parse
+from polyserve.serve.protocol import TensorSpec
 from tests.helpers import REPO
 from tests.onnx_models import add
 

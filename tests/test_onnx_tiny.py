@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 from starlette.testclient import TestClient
 
-from polyserve import loader
+from polyserve.serve import loader
 from tests.helpers import REPO
 
 EXAMPLE = REPO / "examples" / "python-onnx-tiny"

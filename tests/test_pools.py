@@ -22,7 +22,7 @@ from polyserve.app import create_app
 from polyserve.errors import ClientError
 from polyserve.fleet.db import FleetDB, Unreachable
 from polyserve.fleet.pools import DEMAND_EVERY_S, HOSTS_TTL_S, PoolRouter
-from polyserve.store import Store
+from polyserve.state.store import Store
 from tests.helpers import HostProcess, free_port, make_tar, until
 from tests.postgres import PostgresServer
 

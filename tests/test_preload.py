@@ -109,7 +109,7 @@ def test_the_onnxruntime_warmup_builds_a_working_session():
     import numpy as np
     import onnxruntime
 
-    from polyserve import warmup
+    from polyserve.serve import warmup
 
     warmup.WARMUPS["onnxruntime"]()
     model = str(warmup.WARM_ONNX)

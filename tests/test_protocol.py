@@ -1,4 +1,4 @@
-"""polyserve.protocol: the Open Inference Protocol's codec, request bodies to arrays and back."""
+"""polyserve.serve.protocol: the Open Inference Protocol's codec, bodies to arrays and back."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import orjson
 import pytest
 
-from polyserve.modelspace import parse
-from polyserve.protocol import DTYPES, ProtocolError, TensorSpec, decode, encode
+from polyserve.serve.modelspace import parse
+from polyserve.serve.protocol import DTYPES, ProtocolError, TensorSpec, decode, encode
 
 X = TensorSpec("X", "FP32", (-1, 4))
 INPUTS = {"X": X}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from polyserve import forkserver, sandbox
+from polyserve.deploy import forkserver, sandbox
 from tests.helpers import (
     HostProcess,
     alive,
@@ -58,7 +58,7 @@ def parent_of(pid):
 
 ancestors = []
 pid = os.getppid()
-while pid > 1 and b"polyserve.forkserver" in open(f"/proc/{pid}/cmdline", "rb").read():
+while pid > 1 and b"polyserve.deploy.forkserver" in open(f"/proc/{pid}/cmdline", "rb").read():
     ancestors.append(pid)
     pid = parent_of(pid)
 """

@@ -1,4 +1,4 @@
-"""Unit tests of polyserve.spacelog: what a space says is attributed to it, bounded, echoed."""
+"""Unit tests of polyserve.logs.spacelog: what a space says is attributed to it, bounded, echoed."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import anyio.to_thread
 import pytest
 
-from polyserve import spacelog
-from polyserve.logstore import LogStore
-from polyserve.spacelog import CURRENT, MESSAGE_MAX, Channel, Tag
+from polyserve.logs import spacelog
+from polyserve.logs.logstore import LogStore
+from polyserve.logs.spacelog import CURRENT, MESSAGE_MAX, Channel, Tag
 
 
 @pytest.fixture

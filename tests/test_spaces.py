@@ -1,4 +1,4 @@
-"""Unit tests of polyserve.spaces: on-demand load, hot swap with drain, idle release.
+"""Unit tests of polyserve.serve.spaces: on-demand load, hot swap with drain, idle release.
 
 The clock is injected and the shared table is anonymous, so nothing sleeps or forks.
 """
@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from polyserve import loader, settings
-from polyserve.broadcast import Broadcast
-from polyserve.deploys import Deploys
-from polyserve.meter import CELLS, Cell, Meter
-from polyserve.shm import Table
-from polyserve.spaces import NoRoom, NotDeployed, OtherPool, Registry
-from polyserve.store import Store
+from polyserve import settings
+from polyserve.deploy.deploys import Deploys
+from polyserve.serve import loader
+from polyserve.serve.spaces import NoRoom, NotDeployed, OtherPool, Registry
+from polyserve.state.broadcast import Broadcast
+from polyserve.state.shm import Table
+from polyserve.state.store import Store
+from polyserve.usage.meter import CELLS, Cell, Meter
 from tests.helpers import Ballast, make_tar
 
 TTL = 100.0

@@ -1,4 +1,4 @@
-"""Unit tests of polyserve.store: names, safe staging, atomic publish, slots."""
+"""Unit tests of polyserve.state.store: names, safe staging, atomic publish, slots."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from polyserve.errors import ClientError
 from polyserve.names import parse_space
-from polyserve.store import Store, rollback_target
+from polyserve.state.store import Store, rollback_target
 from tests.helpers import make_tar
 
 KEEP_VERSIONS = 3
@@ -375,7 +375,7 @@ def test_a_data_directory_without_history_keeps_the_newest_numbers(store):
 
 
 def test_a_long_history_is_trimmed_and_a_torn_line_is_skipped(store, monkeypatch):
-    import polyserve.store as store_mod
+    import polyserve.state.store as store_mod
 
     monkeypatch.setattr(store_mod, "HISTORY_KEEP", 5)
     publish(store, "o/s", {"main.py": ""})

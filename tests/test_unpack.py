@@ -1,4 +1,4 @@
-"""Hostile tars against polyserve.unpack: headers count toward the caps as they are read,
+"""Hostile tars against polyserve.state.unpack: headers count toward the caps as they are read,
 memory stays bounded, and error bodies are short and name no host path."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from polyserve.errors import ClientError
-from polyserve.store import Store
-from polyserve.unpack import MAX_NAME_BYTES, MAX_TAR_ENTRIES, extract_tar
+from polyserve.state.store import Store
+from polyserve.state.unpack import MAX_NAME_BYTES, MAX_TAR_ENTRIES, extract_tar
 from tests.helpers import (
     BIG,
     MAIN,
@@ -276,7 +276,7 @@ MEASURE = """
 import io, json, sys, tempfile
 from pathlib import Path
 from polyserve.errors import ClientError
-from polyserve.store import Store
+from polyserve.state.store import Store
 
 def peak_rss():
     status = Path("/proc/self/status").read_text()

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
-from polyserve.shm import segment_name
+from polyserve.state.shm import segment_name
 from tests.helpers import HostProcess, alive, until
 
 SYNC = "import os\ndef handle(request):\n    return {'pid': os.getpid()}\n"

@@ -1,4 +1,4 @@
-"""Unit tests of polyserve.validate: a throwaway subprocess imports a version before publish,
+"""Unit tests of polyserve.deploy.validate: a throwaway subprocess imports a version before publish,
 each one both spawned as a new interpreter and forked from the fork server."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from polyserve.deploy.validate import validate
 from polyserve.errors import ClientError
-from polyserve.validate import validate
 from tests.helpers import running_forkserver
 
 

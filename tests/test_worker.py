@@ -1,4 +1,4 @@
-"""polyserve.worker.Worker._serve is a copy of uvicorn-worker's private UvicornWorker._serve
+"""polyserve.http.worker.Worker._serve is a copy of uvicorn-worker's private UvicornWorker._serve
 with two changes; these tests fail when upstream's method is no longer what was copied."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import textwrap
 
 from uvicorn_worker import UvicornWorker
 
-from polyserve.worker import Worker
+from polyserve.http.worker import Worker
 
 # UvicornWorker._serve as uvicorn-worker 0.2.0, 0.3.0 and 0.4.0 write it (the same in
 # each; pyproject.toml allows those releases only).
@@ -25,7 +25,7 @@ async def _serve(self) -> None:
 """
 
 RECHECK = (
-    "polyserve/worker.py's Worker._serve mirrors UvicornWorker._serve of uvicorn-worker"
+    "polyserve/http/worker.py's Worker._serve mirrors UvicornWorker._serve of uvicorn-worker"
     " 0.2 to 0.4; uvicorn-worker {version} differs: re-check Worker._serve against it, then"
     " update UPSTREAM_SERVE here and the uvicorn-worker bound in pyproject.toml."
 )
@@ -72,5 +72,5 @@ def test_worker_serve_is_the_upstream_one_with_its_two_changes():
     ours = _AsUpstream().visit(tree(inspect.getsource(Worker._serve)))
     assert ast.dump(ours) == ast.dump(tree(UPSTREAM_SERVE)), (
         "Worker._serve differs from UPSTREAM_SERVE by more than its trust_forwarded call"
-        " and its _Server: keep the two in step (see polyserve/worker.py)."
+        " and its _Server: keep the two in step (see polyserve/http/worker.py)."
     )

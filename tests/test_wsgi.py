@@ -7,7 +7,7 @@ import subprocess
 import httpx2 as httpx
 import pytest
 
-from polyserve.loader import is_wsgi
+from polyserve.serve.loader import is_wsgi
 from tests.helpers import REPO, make_tar
 
 FLASK_APP = (REPO / "examples" / "flask-app" / "app.py").read_text()

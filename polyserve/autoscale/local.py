@@ -18,7 +18,7 @@ from typing import Any
 
 from polyserve.autoscale.provider import HostSpec, Machine
 from polyserve.settings import Setting, const, positive_int
-from polyserve.store import write_atomic
+from polyserve.state.store import write_atomic
 
 SETTINGS: tuple[Setting, ...] = (
     Setting(

@@ -12,7 +12,7 @@ import anyio
 from polyserve.fleet.db import Change, Fit, FleetDB, Unreachable, threaded
 from polyserve.fleet.follower import APPLIED, fetch_version, read_applied
 from polyserve.settings import Settings
-from polyserve.store import Store, Version
+from polyserve.state.store import Store, Version
 
 _T = TypeVar("_T")
 WAIT_POLL_S = 0.02  # how often a waiting deploy reads the hosts' acknowledgements

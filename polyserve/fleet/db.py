@@ -22,9 +22,9 @@ from psycopg.types.json import Jsonb
 
 from polyserve.errors import ClientError
 from polyserve.fleet.schema import CHANGE_LOCK, migrate
-from polyserve.meter import BILLED_NAMES
 from polyserve.names import DEFAULT_POOL
-from polyserve.store import describe, rollback_target
+from polyserve.state.store import describe, rollback_target
+from polyserve.usage.meter import BILLED_NAMES
 
 _T = TypeVar("_T")
 CHANNEL = "polyserve_changes"

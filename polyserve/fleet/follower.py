@@ -28,13 +28,13 @@ from pathlib import Path
 
 import psycopg
 
-from polyserve import meter
-from polyserve.broadcast import Broadcast
 from polyserve.errors import DISK_FULL, ClientError
 from polyserve.fleet.db import Boot, Change, FleetDB, Stored, Totals, Unreachable
 from polyserve.settings import Settings, load
-from polyserve.shm import H_ALIVE, Table, segment_name
-from polyserve.store import Staged, Store, Version, write_atomic
+from polyserve.state.broadcast import Broadcast
+from polyserve.state.shm import H_ALIVE, Table, segment_name
+from polyserve.state.store import Staged, Store, Version, write_atomic
+from polyserve.usage import meter
 
 log = logging.getLogger("polyserve")
 APPLIED = "fleet.applied"  # in the data directory: the last change applied here

@@ -1,0 +1,1 @@
+"""The writes: deploys, dependencies, validation and the fork server it runs in."""

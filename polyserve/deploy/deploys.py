@@ -1,0 +1,302 @@
+"""The writes: deploy, undeploy, release, rollback — stage, validate, publish, bump, announce.
+
+Nothing here knows HTTP: the control plane's handlers and tests call these (and read a
+space's versions and history here). Each change happens under the store lock, bumps the
+space's generation word and then signals the other workers, so "after the answer, no
+worker starts a new request on an older version" holds whoever made the change.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from polyserve.deploy import deps, requirements
+from polyserve.deploy.validate import validate
+from polyserve.errors import ClientError
+from polyserve.master import hooks
+from polyserve.names import parse_space
+from polyserve.settings import Settings, scrubbed_environ
+from polyserve.state.broadcast import Broadcast
+from polyserve.state.shm import Table
+from polyserve.state.store import Staged, Store, describe
+from polyserve.usage import meter
+
+if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
+    from polyserve.fleet.client import FleetClient
+    from polyserve.fleet.db import Change
+
+_T = TypeVar("_T")
+HISTORY_LIMIT = 100  # events in a versions answer: the most recent ones
+
+
+class Deploys:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        broadcast: Broadcast,
+        table: Table,
+        threads: anyio.CapacityLimiter | None,
+        refresh: Callable[[], None],
+        fleet: FleetClient | None = None,
+        floor: Callable[[], int | None] = lambda: None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.broadcast = broadcast
+        self.table = table
+        self.threads = threads  # the host's own threads: no tenant can exhaust them
+        self.refresh = refresh  # this worker's own swap, which no signal reaches
+        self.fleet = fleet  # with POLYSERVE_DATABASE_URL: the fleet's database decides
+        self.floor = floor  # a worker's memory holding no space, once its registry knows
+
+    async def deploy(
+        self, space: str, upload: BinaryIO, filename: str
+    ) -> tuple[int, dict[str, object]]:
+        """Publish an upload (a .py file or a tar) as the space's next version; returns
+        the answer's status and body. A failure at any step publishes nothing."""
+        s = self.settings
+        staged = await self._run(self.store.stage, upload, filename, s.max_unpacked_mb << 20)
+        try:
+            installed = await self._dependencies(staged)
+            checked = await validate(
+                staged.dir,
+                staged.entry,
+                s.import_timeout,
+                s.import_memory_mb,
+                env=scrubbed_environ(),
+                deps=installed.site if installed is not None else None,
+                forkserver=hooks.forkserver_name(),
+                namespaces=s.validate_namespaces,
+            )
+            self._fits(staged.entry, int(checked.pop("memory_bytes", 0)))  # type: ignore[call-overload]
+            if installed is not None:
+                checked["dependencies"] = installed.answer()
+            if self.fleet is None:
+                number = await self._run(self.publish, space, staged, checked)
+            else:  # validated here; every host (this one too) applies it from the fleet
+                meta = {**checked, "space": space, "sha256": staged.sha256, "size": staged.size}
+                meta |= {"entry": staged.entry, "pool": staged.pool, "upload": filename}
+                meta["deployed_at"] = time.time()
+                change = await self.fleet.run(
+                    self.fleet.deploy, space, upload, staged.sha256, meta, staged.unpacked
+                )
+                number = change.version or 0
+        finally:
+            self.store.discard(staged)  # after a publish the directory has moved: a no-op
+        body: dict[str, object] = {
+            "space": space,
+            "version": number,
+            "sha256": staged.sha256,
+            "size": staged.size,
+            "entry": staged.entry,
+            "pool": staged.pool,
+            **checked,
+        }
+        if self.fleet is None:
+            self._announce()
+            return 200, body
+        status, body["hosts"] = await self.fleet.applied(change)
+        return status, body
+
+    def _fits(self, entry: str, need: int) -> None:
+        """Refuse a version whose load alone would take a worker past its memory cap: it
+        would deploy, then answer 503 to every request. A worker holding no space holds
+        `floor` already (the least its registry measured, when it has)."""
+        cap = self.settings.worker_memory_mb << 20
+        if not cap:
+            return
+        floor = self.floor() or 0
+        if floor + need <= cap:
+            return
+        held = f", beside the {floor >> 20} MiB a worker holds with no space," if floor else ""
+        raise ClientError(
+            422,
+            f"loading {entry} takes {-(-need >> 20)} MiB of memory{held} and a worker may hold"
+            f" {cap >> 20} MiB (POLYSERVE_WORKER_MEMORY_MB): no worker could load it; make"
+            " its import smaller or raise the cap",
+            memory_mib=-(-need >> 20),
+            cap_mib=cap >> 20,
+        )
+
+    async def _dependencies(self, staged: Staged) -> deps.Installed | None:
+        """The staged version's dependency set, installed (or found installed), or None
+        when it declares none. Refusals are ClientErrors; nothing is published yet."""
+        requested = await self._run(requirements.read, staged.dir, self.settings)
+        if requested is None:
+            return None
+        if self.fleet is not None:
+            # Each host would have to install the set before it applies the version;
+            # until the follower does, refuse rather than publish what hosts cannot load.
+            raise ClientError(
+                422,
+                f"{requested.source} declares dependencies, which a fleet host cannot"
+                " install yet: deploy to a single host, or install them on every host",
+                source=requested.source,
+            )
+        return await deps.install(requested, self.store.root, self.settings)
+
+    async def undeploy(self, space: str) -> tuple[int, dict[str, object]]:
+        """Unpublish: requests then answer 404; the files go once nobody uses them."""
+        if self.fleet is not None:
+            return await self._fleet_change(space, self.fleet.db.delete)
+        await self._change(space, self.unpublish)
+        return 200, {}
+
+    async def release(self, space: str) -> tuple[int, dict[str, object]]:
+        """What the idle reaper does, now and in every worker (every host's, in a fleet):
+        the next request imports the space afresh."""
+        if self.fleet is not None:
+            return await self._fleet_change(space, self.fleet.db.release)
+        return 200, {"workers_signalled": await self._change(space, self.request_release)}
+
+    async def rollback(self, space: str, asked: int | None) -> tuple[int, dict[str, object]]:
+        """Make a kept version current again (`asked`, or the one the current version
+        replaced), with a deploy's contract: once this answers 200, no worker (no host,
+        in a fleet) starts a new request on another version."""
+        if self.fleet is not None:
+            change, previous, meta = await self.fleet.run(self.fleet.db.rollback, space, asked)
+            status, hosts = await self.fleet.applied(change)
+            return status, {**_rolled_back(space, meta, change.version, previous), "hosts": hosts}
+        number, previous, meta = await self._run(self.reactivate, space, asked)
+        self._announce()
+        return 200, _rolled_back(space, meta, number, previous)
+
+    async def versions(self, space: str) -> dict[str, object]:
+        """The space's kept versions (in a fleet: every version the fleet store keeps)
+        and its recent history; ClientError 404 for a space never deployed."""
+        parse_space(space)
+        if self.fleet is not None:
+            current, versions, history = await self.fleet.run(
+                self.fleet.db.versions, space, HISTORY_LIMIT
+            )
+            where = "fleet"
+        else:
+            current, versions, history = await self._run(self._local_versions, space)
+            where = "host"
+        if not versions and not history:
+            raise ClientError(404, f"space {space} was never deployed", space=space)
+        return {
+            "space": space,
+            "current": current,
+            "store": where,
+            "keep_versions": self.settings.keep_versions,
+            "versions": versions,
+            "history": history,
+        }
+
+    def _local_versions(
+        self, space: str
+    ) -> tuple[int | None, list[dict[str, object]], list[dict[str, object]]]:
+        version = self.store.current(space)
+        history = self.store.history(space, HISTORY_LIMIT)
+        return (version.number if version else None), self.store.versions(space), history
+
+    async def _fleet_change(
+        self, space: str, commit: Callable[[str], Change | None]
+    ) -> tuple[int, dict[str, object]]:
+        assert self.fleet is not None
+        change = await self.fleet.run(commit, space)
+        if change is None:
+            raise ClientError(404, f"space {space} is not deployed", space=space)
+        status, hosts = await self.fleet.applied(change)
+        return status, {"hosts": hosts}
+
+    # -- the changes themselves: synchronous, each under the store lock, not announced ---
+
+    def publish(self, space: str, staged: Staged, checked: dict[str, object]) -> int:
+        """Make a validated stage the space's current version; returns its number."""
+        with self.store.locked():
+            slot, number = self.store.publish(
+                space, staged, checked, reclaim=partial(meter.reclaimable, self.table)
+            )
+            self.broadcast.bump(slot)
+            self.store.prune(space, self.broadcast.oldest_held(slot))
+        return number
+
+    def unpublish(self, space: str) -> bool:
+        """Undeploy; False when the space is not deployed."""
+        with self.store.locked():
+            slot = self.store.delete(space)
+            if slot is None:
+                return False
+            self.broadcast.bump(slot)
+            self.store.prune(space, self.broadcast.oldest_held(slot))
+        return True
+
+    def request_release(self, space: str) -> bool:
+        """Tell every worker to drop its copy; False when the space is not deployed."""
+        with self.store.locked():
+            slot = self.store.slots.slot(space)
+            current = self.store.current(space)
+            if slot is None or current is None:
+                return False
+            self.broadcast.release(slot)
+            self.store.record(space, "release", current.number, current.number)
+        return True
+
+    def reactivate(self, space: str, asked: int | None) -> tuple[int, int, dict[str, object]]:
+        """A rollback on this host: (the version made current, the one before, its
+        metadata). Pruned after the bump, as a deploy is: what a worker holds stays."""
+        with self.store.locked():
+            slot, number, previous, meta = self.store.reactivate(space, asked)
+            self.broadcast.bump(slot)
+            self.store.prune(space, self.broadcast.oldest_held(slot))
+        return number, previous, meta
+
+    async def _change(self, space: str, change: Callable[[str], bool]) -> int:
+        if not await self._run(change, space):
+            raise ClientError(404, f"space {space} is not deployed", space=space)
+        return self._announce()
+
+    def _announce(self) -> int:
+        """After a change: signal the other workers, and refresh this one. Every request
+        reads the generation word, so the contract already holds; the signal only makes
+        workers act before their next request. Returns how many were signalled."""
+        signalled = self.broadcast.announce()
+        self.refresh()
+        return signalled
+
+    async def _run(self, func: Callable[..., _T], *args: object) -> _T:
+        return await anyio.to_thread.run_sync(func, *args, limiter=self.threads)
+
+
+def _rolled_back(
+    space: str, meta: dict[str, object], number: int | None, previous: int | None
+) -> dict[str, object]:
+    body = describe(meta, number or 0, number)
+    del body["current"]  # it is, by now
+    return {"space": space, **body, "previous": previous}
+
+
+def rollback_request(body: bytes) -> int | None:
+    """The version a rollback's body asks for: nothing (or `{}`) for the default, else
+    `{"version": N}`. Raises ClientError 422 saying what to send instead."""
+    expected = 'send no body (the version the current one replaced) or {"version": N}'
+    if not body.strip():
+        return None
+    try:
+        asked = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ClientError(422, f"the body is not JSON: {expected}") from None
+    if not isinstance(asked, dict):
+        raise ClientError(422, f"the body must be a JSON object: {expected}")
+    unknown = sorted(set(asked) - {"version"})
+    if unknown:
+        raise ClientError(422, f"unknown field {unknown[0]!r}: {expected}", unknown=unknown)
+    version = asked.get("version")
+    if version is None:
+        return None
+    # bool is an int to Python, never a version to a person
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ClientError(
+            422, f"`version` must be a whole number from 1 up, got {json.dumps(version)[:40]}"
+        )
+    return version

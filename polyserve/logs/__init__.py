@@ -1,0 +1,1 @@
+"""What spaces say: attributed in the worker, kept on disk per space."""

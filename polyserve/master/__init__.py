@@ -1,0 +1,1 @@
+"""gunicorn's master hooks, and a killed master's segment."""

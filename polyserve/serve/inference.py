@@ -1,0 +1,134 @@
+"""The inference protocol at the host's root: metadata, health and the repository, and infers.
+
+`/v2/models/{owner}/{name}/…` names a model space by its two-part name. An infer is handed
+to dispatch with its parsed route, so it is billed, bounded and answered like any request
+of the space. Everything else is answered here from the store, never loading a space and
+never billed: server metadata and health, a model's metadata and readiness from its
+current version's recorded inputs and outputs, and the repository extension (index, load
+as a warm-up in this worker, unload as a release in every worker).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from polyserve.errors import ClientError
+from polyserve.names import is_owner
+from polyserve.serve import modelspace, protocol
+from polyserve.serve.modelspace import Answer, ProtocolError, Route
+
+if TYPE_CHECKING:
+    from polyserve.app import ControlPlane
+
+
+class InferenceRoutes:
+    """Every path under `/v2` at the host's root."""
+
+    def __init__(self, control: ControlPlane, dispatch: Callable[[], ASGIApp]) -> None:
+        self.control = control
+        self.dispatch = dispatch  # the worker's current request path (set at its start)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        if scope["type"] != "http":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        try:
+            route = modelspace.parse(path, scope["method"], 2)
+            assert route is not None, "HostApp sends only paths under /v2"
+            if route.model is not None and not all(map(is_owner, route.model.split("/"))):
+                raise ProtocolError(
+                    f"no model {route.model[:200]!r}: a model is named owner/name", 404
+                )
+            if route.op == "infer":
+                owner, _, name = (route.model or "").partition("/")
+                scope["path_params"] = {"owner": owner, "name": name}
+                scope["polyserve.route"] = route
+                await self.dispatch()(scope, receive, send)
+                return
+            found = await self._answer(route, scope, receive)
+        except ProtocolError as exc:
+            found = modelspace.error_answer(exc)
+        except ClientError as exc:  # auth, and the host's own refusals
+            found = modelspace.json_answer(exc.status, exc.body())
+        await send(
+            {"type": "http.response.start", "status": found.status, "headers": found.headers}
+        )
+        await send({"type": "http.response.body", "body": found.body})
+
+    async def _answer(self, route: Route, scope: Scope, receive: Receive) -> Answer:
+        op = route.op
+        if op == "server":
+            return modelspace.json_answer(200, modelspace.server_metadata())
+        if op in ("live", "ready"):
+            return modelspace.json_answer(200, {op: True})
+        if op == "index":
+            return modelspace.json_answer(200, await self._thread(self._index))
+        space = route.model or ""
+        if op in ("load", "unload"):
+            request = Request(scope, receive)
+            self.control.auth.allow(self.control._writer(request), space)
+            if op == "unload":
+                status, body = await self.control.running.deploys.release(space)
+                return modelspace.json_answer(status, {"name": space, "unloaded": True, **body})
+            await self._warm(space)
+            return modelspace.json_answer(200, {"name": space, "loaded": True})
+        meta = await self._thread(self._model_meta, space)
+        version = int(str(meta["version"]))
+        modelspace.check_version(space, route, version)
+        if op == "model_ready":
+            return modelspace.json_answer(200, {"name": space, "ready": True})
+        host = self.control.running
+        versions = await self._thread(
+            modelspace.kept_models, host.store.space_dir(space) / "versions"
+        )
+        inputs = protocol.specs(meta.get("inputs")).values()
+        outputs = protocol.specs(meta.get("outputs")).values()
+        return modelspace.json_answer(
+            200, protocol.metadata(space, versions or [version], inputs, outputs)
+        )
+
+    def _model_meta(self, space: str) -> dict[str, object]:
+        """The current version's metadata of a model space; a 404 for anything else."""
+        store = self.control.running.store
+        current = store.current(space)
+        meta = store.meta(space, current.number) if current is not None else None
+        if meta is None:
+            raise ProtocolError(f"no model {space}: it is not deployed", 404)
+        if meta.get("kind") != "model":
+            raise ProtocolError(
+                f"space {space} is not a model space: it answers its own routes under /s/{space}/",
+                404,
+            )
+        return meta
+
+    def _index(self) -> list[dict[str, object]]:
+        """The repository index: every model space and its current version."""
+        return [
+            {"name": space, "version": str(meta.get("version")), "state": "READY"}
+            for space, meta in self.control.running.store.spaces().items()
+            if meta.get("kind") == "model"
+        ]
+
+    async def _warm(self, space: str) -> None:
+        """The repository's load: this worker imports the space now, not at a request."""
+        await self._thread(self._model_meta, space)
+        registry = self.control.running.registry
+        try:
+            active = await registry.lease(space)
+        except Exception as exc:
+            details = getattr(exc, "details", None)
+            error = details.get("error") if isinstance(details, dict) else str(exc)
+            raise ProtocolError(f"model {space} could not be loaded: {error}", 503) from None
+        registry.end_lease(active)
+
+    async def _thread(self, func: Callable[..., Any], *args: Any) -> Any:
+        """Store reads on the host's threads, as the control plane's are."""
+        limiter = self.control.running.deploys.threads
+        result: Any = await anyio.to_thread.run_sync(func, *args, limiter=limiter)
+        return result

@@ -1,0 +1,1 @@
+"""The meter, its Prometheus text, and what mapped files cost the host."""

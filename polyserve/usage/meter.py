@@ -1,0 +1,369 @@
+"""The usage table: per (worker, space) counters in shared memory, one writer per row, summed.
+
+Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserve.state.shm):
+
+    REQUESTS         requests answered
+    ERRORS           of those, answered 5xx
+    BUSY_US          µs from dispatch to the space until its response completed
+    RESIDENT_US      µs the space was loaded, folded in when a worker stops holding it
+    LOADED_SINCE_US  monotonic µs when the current stretch began; 0 when not loaded
+    LOADS            imports (first request, after idle release, after a deploy)
+    IMPORT_US        µs spent importing and starting, all loads together
+    LAST_IMPORT_US   µs of the latest load
+    MEMORY_BYTES     anonymous memory the latest load added to its worker
+    EVICTED_IDLE     releases after POLYSERVE_IDLE_TTL idle seconds
+    EVICTED_MEMORY   releases to keep the worker under POLYSERVE_WORKER_MEMORY_MB
+    EVICTED_DEMAND   releases on demand (POST …/release), one per worker holding it
+
+A worker writes only its own row, and only from its event-loop thread (sync handlers
+run in the threadpool, but their requests are metered by the dispatcher on the loop),
+so no lock is taken on the request path. Stores go through a memoryview cast to int64:
+one aligned 8-byte store each, which a reader never sees torn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import numpy as np
+
+from polyserve.state.shm import H_ALIVE, H_STARTED, Table
+from polyserve.state.slots import Ledger
+
+
+class Cell(IntEnum):
+    REQUESTS = 0
+    ERRORS = 1
+    BUSY_US = 2
+    RESIDENT_US = 3
+    LOADED_SINCE_US = 4
+    LOADS = 5
+    IMPORT_US = 6
+    LAST_IMPORT_US = 7
+    MEMORY_BYTES = 8
+    EVICTED_IDLE = 9
+    EVICTED_MEMORY = 10
+    EVICTED_DEMAND = 11
+
+
+CELLS = len(Cell)
+# Plain ints for the request path: an IntEnum member lookup costs more than the store.
+_REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
+# Counters that only grow: what a checkpoint saves, a restart restores, and a slot
+# handed over to another space keeps for its old owner (store.Ledger).
+# The first six are the billing totals, the columns of the fleet's usage ledger (BILLED).
+TOTALS = (
+    Cell.REQUESTS,
+    Cell.ERRORS,
+    Cell.BUSY_US,
+    Cell.RESIDENT_US,
+    Cell.LOADS,
+    Cell.IMPORT_US,
+    Cell.EVICTED_IDLE,
+    Cell.EVICTED_MEMORY,
+    Cell.EVICTED_DEMAND,
+)
+BILLED = TOTALS[:6]
+_TOTAL_CELLS = [int(c) for c in TOTALS]
+TOTAL_NAMES = tuple(c.name.lower() for c in TOTALS)  # as checkpoints name them
+BILLED_NAMES = TOTAL_NAMES[: len(BILLED)]  # as the fleet's ledger names them
+# Why a worker let a space go, as the usage answer (evicted_<reason>) and Prometheus name it.
+EVICTIONS = {
+    "idle": Cell.EVICTED_IDLE,
+    "memory": Cell.EVICTED_MEMORY,
+    "demand": Cell.EVICTED_DEMAND,
+}
+
+
+def now_us() -> int:
+    """Monotonic µs: CLOCK_MONOTONIC is one clock for every process of the machine."""
+    return time.monotonic_ns() // 1000
+
+
+class Meter:
+    """One worker's writer: the request path and load/release record into its own row."""
+
+    def __init__(self, table: Table, row: int, clock: Callable[[], int] = now_us) -> None:
+        self.words = table.words
+        self.clock = clock
+        # The request path reads nanoseconds from the C clock itself: now_us's Python
+        # frame, twice a request, cost more than the stores (bench/NOTES.md). An
+        # injected µs clock is scaled.
+        self._ns: Callable[[], int] = (
+            time.monotonic_ns if clock is now_us else (lambda: clock() * 1000)
+        )
+        self._row = table.cell_index(row, 0, 0)
+        self._inflight = table.inflight_index(row)
+
+    def begin(self) -> int:
+        """A request is dispatched to a space; returns its start time (for end())."""
+        self.words[self._inflight] += 1
+        return self._ns()
+
+    def end(self, slot: int | None, started: int, error: bool) -> None:
+        """The response is complete; slot is None when no space answered (404)."""
+        words = self.words
+        words[self._inflight] -= 1
+        if slot is None:
+            return
+        base = self._row + slot * CELLS
+        words[base + _REQUESTS] += 1
+        words[base + _BUSY_US] += (self._ns() - started) // 1000
+        if error:
+            words[base + _ERRORS] += 1
+
+    def loaded(self, slot: int, started: int, memory_bytes: int) -> None:
+        """A version finished loading; residency runs from `started`, the load's start."""
+        words, base = self.words, self._row + slot * CELLS
+        took = self.clock() - started
+        words[base + Cell.LOADS] += 1
+        words[base + Cell.IMPORT_US] += took
+        words[base + Cell.LAST_IMPORT_US] = took
+        words[base + Cell.MEMORY_BYTES] = max(memory_bytes, 0)
+        if words[base + Cell.LOADED_SINCE_US] == 0:  # a swap does not restart the stretch
+            words[base + Cell.LOADED_SINCE_US] = max(started, 1)  # 0 means "not loaded"
+
+    def evicted(self, slot: int, cell: Cell) -> None:
+        """The worker let the space go for the reason `cell` (one of EVICTIONS)."""
+        self.words[self._row + slot * CELLS + cell] += 1
+
+    def released(self, slot: int) -> None:
+        """This worker holds no version of the space any more: fold its residency."""
+        words, base = self.words, self._row + slot * CELLS
+        since = words[base + Cell.LOADED_SINCE_US]
+        if since:
+            words[base + Cell.RESIDENT_US] += self.clock() - since
+            words[base + Cell.LOADED_SINCE_US] = 0
+
+
+def rss_bytes() -> int:
+    """This process's resident set size, from /proc: cheap enough to read at every load."""
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def anon_bytes() -> int:
+    """This process's resident anonymous memory (RssAnon: statm's resident minus its
+    file-backed and shared pages), read at every load. What a load adds to it is what the
+    space costs its worker: library pages shared with the master that the load faults
+    back in are file-backed, so unlike RSS growth they do not count."""
+    with open("/proc/self/statm", "rb") as f:
+        fields = f.read().split()
+    return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
+
+
+# -- the master's side ---------------------------------------------------------------
+
+
+def fold_row(table: Table, row: int, now: int) -> None:
+    """Close a dead worker's open stretches and in-flight count. Called by the master
+    once the worker is reaped, so the row has no other writer."""
+    cells = table.cell_array()[row]
+    since = cells[:, Cell.LOADED_SINCE_US]
+    open_ = since > 0
+    cells[open_, Cell.RESIDENT_US] += now - since[open_]
+    since[open_] = 0
+    table.words[table.inflight_index(row)] = 0
+    table.held_array()[row] = 0  # a dead worker holds no version
+
+
+def reclaimable(table: Table, slot: int) -> tuple[int, ...] | None:
+    """A deleted space's final totals, once no worker holds or loads any version of it
+    and no residency is open (nothing will write its cells again); else None."""
+    if table.held_array()[:, slot].any():
+        return None
+    cells = table.cell_array()[:, slot]
+    if cells[:, Cell.LOADED_SINCE_US].any():
+        return None
+    return tuple(int(v) for v in cells[:, _TOTAL_CELLS].sum(axis=0))
+
+
+def totals(table: Table, now: int) -> np.ndarray:
+    """Per-slot totals (S, C) over every row, open stretches counted up to `now`."""
+    cells = table.cell_array()
+    summed = cells.sum(axis=0)
+    since = cells[:, :, Cell.LOADED_SINCE_US]
+    # A stretch that began after `now` (possible when recovering up to a dead master's
+    # last checkpoint) counts nothing rather than something negative.
+    summed[:, Cell.RESIDENT_US] += np.where(since > 0, np.maximum(now - since, 0), 0).sum(axis=0)
+    return summed
+
+
+def _by_name(table: Table, summed: np.ndarray, ledger: Ledger) -> tuple[list[str], np.ndarray]:
+    """Names and their (N, C) totals: slot owners (raw totals plus the ledger's offsets),
+    then the names whose slots were handed over, with what they used there."""
+    n = min(len(ledger.names), table.space_slots)
+    t = summed[:n].copy()
+    for slot, offset in ledger.offsets.items():
+        if slot < n:
+            t[slot, _TOTAL_CELLS] += _widen(offset)
+    names = ledger.names[:n]
+    if ledger.retired:
+        extra = np.zeros((len(ledger.retired), t.shape[1]), dtype=np.int64)
+        extra[:, _TOTAL_CELLS] = [_widen(v) for v in ledger.retired.values()]
+        t = np.vstack([t, extra])
+        names = names + list(ledger.retired)
+    return names, t
+
+
+def _widen(values: tuple[int, ...]) -> tuple[int, ...]:
+    """Totals from a slot log written before TOTALS grew: the newer ones are 0."""
+    return values + (0,) * (len(TOTALS) - len(values))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The usage table read once, per space name, in base units (counts, µs, bytes):
+    what the usage JSON and the Prometheus exposition both render."""
+
+    names: list[str]
+    totals: np.ndarray  # (N, C): the TOTALS cells per name, ledger offsets applied
+    workers_loaded: np.ndarray  # (N,): workers holding the space now
+    last_import_us: np.ndarray  # (N,): the latest load, the largest over the workers
+    memory_bytes: np.ndarray  # (N,): what the latest load added, the largest over workers
+    workers: int  # live workers
+    uptime_us: int  # since the master started (wall clock)
+    busy_us: int  # every space's busy time, the host's total
+    in_flight: int  # requests in flight on the host
+
+
+def snapshot(table: Table, ledger: Ledger, now: int) -> Snapshot:
+    """Read every worker's row and sum: `now` is monotonic µs (now_us)."""
+    cells = table.cell_array()
+    summed = totals(table, now)
+    names, t = _by_name(table, summed, ledger)
+    n = min(len(ledger.names), table.space_slots)
+    pad = (0, len(names) - n)  # names without a slot: not loaded anywhere, no latest load
+    started = table.header(H_STARTED)
+    return Snapshot(
+        names=names,
+        totals=t,
+        workers_loaded=np.pad((cells[:, :n, Cell.LOADED_SINCE_US] > 0).sum(axis=0), pad),
+        last_import_us=np.pad(cells[:, :n, Cell.LAST_IMPORT_US].max(axis=0), pad),
+        memory_bytes=np.pad(cells[:, :n, Cell.MEMORY_BYTES].max(axis=0), pad),
+        workers=int(np.count_nonzero(table.pids)),
+        uptime_us=time.time_ns() // 1000 - started if started else 0,
+        busy_us=int(summed[:, Cell.BUSY_US].sum()),
+        in_flight=int(table.inflight_array().sum()),
+    )
+
+
+def usage(snap: Snapshot) -> dict[str, object]:
+    """The /_polyserve/usage answer: the seed's four fields per space, and more."""
+    t = snap.totals
+    # Column by column in numpy, then one comprehension: a per-space loop of arithmetic
+    # was most of the answer's time at 10,000 spaces.
+    columns = zip(
+        snap.names,
+        t[:, Cell.REQUESTS].tolist(),
+        (t[:, Cell.BUSY_US] // 1000).tolist(),
+        (t[:, Cell.RESIDENT_US] // 1_000_000).tolist(),
+        (snap.workers_loaded > 0).tolist(),
+        t[:, Cell.ERRORS].tolist(),
+        t[:, Cell.LOADS].tolist(),
+        snap.workers_loaded.tolist(),
+        (snap.last_import_us / 1000).round(3).tolist(),
+        (snap.memory_bytes // 1024).tolist(),
+        t[:, Cell.EVICTED_IDLE].tolist(),
+        t[:, Cell.EVICTED_MEMORY].tolist(),
+        t[:, Cell.EVICTED_DEMAND].tolist(),
+        strict=True,
+    )
+    spaces = {
+        name: {
+            "requests": r,
+            "busy_ms": b,
+            "warm_s": w,
+            "loaded": lo,
+            "errors": e,
+            "cold_starts": c,
+            "workers_loaded": wl,
+            "last_import_ms": li,
+            "memory_kib": k,
+            # Flat: a nested object per space made the answer 70% slower at 10,000.
+            "evicted_idle": ei,
+            "evicted_memory": em,
+            "evicted_demand": ed,
+        }
+        for name, r, b, w, lo, e, c, wl, li, k, ei, em, ed in columns
+    }
+    return {"spaces": spaces, "host": host_usage(snap)}
+
+
+def host_usage(snap: Snapshot) -> dict[str, object]:
+    """The usage answer's `host` section: what the autoscaler's busy ratio is made of."""
+    return {
+        "workers": snap.workers,
+        "uptime_s": round(snap.uptime_us / 1e6, 3),
+        "busy_ms": snap.busy_us // 1000,
+        "in_flight": snap.in_flight,
+    }
+
+
+# -- checkpoint and restore ------------------------------------------------------------
+
+
+def totals_by_name(
+    table: Table, ledger: Ledger, now: int, cells: tuple[Cell, ...] = TOTALS
+) -> dict[str, tuple[int, ...]]:
+    """Every space's `cells` (in that order), open stretches counted up to `now`."""
+    names, t = _by_name(table, totals(table, now), ledger)
+    rows = t[:, [int(c) for c in cells]].tolist()
+    return {name: tuple(row) for name, row in zip(names, rows, strict=True)}
+
+
+def checkpoint(table: Table, ledger: Ledger, path: Path, now: int) -> None:
+    """Write every space's totals (open stretches counted to now) atomically to path."""
+    data = {
+        "format": 1,
+        "saved_at": time.time(),
+        "spaces": {
+            name: dict(zip(TOTAL_NAMES, values, strict=True))
+            for name, values in totals_by_name(table, ledger, now).items()
+        },
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    table.set_header(H_ALIVE, now)
+
+
+def checkpoint_totals(path: Path, ledger: Ledger) -> np.ndarray | None:
+    """A checkpoint's totals as raw per-slot totals (S, C) — the ledger's offsets taken
+    back out, since usage() adds them again — or None if there is none yet."""
+    try:
+        saved = json.loads(path.read_text())["spaces"]
+    except FileNotFoundError:
+        return None
+    t = np.zeros((len(ledger.names), CELLS), dtype=np.int64)
+    for slot, name in enumerate(ledger.names):
+        for key, value in saved.get(name, {}).items():
+            t[slot, Cell[key.upper()]] = value
+        if slot in ledger.offsets:
+            t[slot, _TOTAL_CELLS] -= _widen(ledger.offsets[slot])
+    return t
+
+
+def leftover_totals(leftover: Table) -> np.ndarray:
+    """What a dead master's segment holds: every count its workers wrote, and their open
+    stretches up to the master's last checkpoint (never past it: the downtime is not
+    billed)."""
+    alive = leftover.header(H_ALIVE)
+    return totals(leftover, alive) if alive else leftover.cell_array().sum(axis=0)
+
+
+def set_base(table: Table, t: np.ndarray) -> None:
+    """Start the base row from an earlier run's totals (the master, before any fork)."""
+    slots = min(table.space_slots, len(t))
+    base = table.cell_array()[table.base_row]
+    for c in TOTALS:
+        base[:slots, c] = t[:slots, c]

@@ -1,0 +1,132 @@
+"""Prometheus exposition of a usage snapshot, through prometheus_client's own text format."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from polyserve.usage.meter import EVICTIONS, Cell, Snapshot
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def _total(cell: Cell, per_unit: float = 1) -> Callable[[Snapshot], np.ndarray]:
+    return lambda snap: snap.totals[:, cell] / per_unit
+
+
+# (metric name, counter or gauge, help, the values per space in the metric's unit). From
+# the snapshot's base units, so seconds keep microsecond resolution.
+_SPACE_METRICS: tuple[tuple[str, bool, str, Callable[[Snapshot], np.ndarray]], ...] = (
+    ("polyserve_space_requests", True, "Requests answered by the space.", _total(Cell.REQUESTS)),
+    ("polyserve_space_errors", True, "Requests the space answered 5xx.", _total(Cell.ERRORS)),
+    (
+        "polyserve_space_busy_seconds",
+        True,
+        "Time from dispatch to the space until its responses completed.",
+        _total(Cell.BUSY_US, 1e6),
+    ),
+    (
+        "polyserve_space_warm_seconds",
+        True,
+        "Residency: seconds loaded, summed over the workers holding the space.",
+        _total(Cell.RESIDENT_US, 1e6),
+    ),
+    (
+        "polyserve_space_cold_starts",
+        True,
+        "Imports of the space (first request, after idle release, after a deploy).",
+        _total(Cell.LOADS),
+    ),
+    (
+        "polyserve_space_workers_loaded",
+        False,
+        "Workers that hold the space now.",
+        lambda snap: snap.workers_loaded,
+    ),
+    (
+        "polyserve_space_last_import_seconds",
+        False,
+        "Duration of the latest import and startup of the space in a worker.",
+        lambda snap: snap.last_import_us / 1e6,
+    ),
+    (
+        "polyserve_space_memory_bytes",
+        False,
+        "Anonymous memory (RssAnon) the latest load of the space added to its worker.",
+        lambda snap: snap.memory_bytes,
+    ),
+)
+
+
+class _SnapshotCollector:
+    def __init__(
+        self, snap: Snapshot, fleet: tuple[int, int] | None, mapped: dict[str, int] | None
+    ) -> None:
+        self.snap = snap
+        self.fleet = fleet
+        self.mapped = mapped
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snap
+        for name, counter, doc, values in _SPACE_METRICS:
+            family = (CounterMetricFamily if counter else GaugeMetricFamily)(
+                name, doc, labels=["space"]
+            )
+            for space, value in zip(snap.names, values(snap).tolist(), strict=True):
+                family.add_metric([space], value)
+            yield family
+        if self.mapped is not None:
+            family = GaugeMetricFamily(
+                "polyserve_space_mapped_bytes",
+                "The space's own files mapped by the host's workers, each range counted once.",
+                labels=["space"],
+            )
+            for space in snap.names:
+                family.add_metric([space], self.mapped.get(space, 0))
+            yield family
+        yield GaugeMetricFamily("polyserve_workers", "Live worker processes.", value=snap.workers)
+        yield GaugeMetricFamily(
+            "polyserve_in_flight", "Requests in flight on this host.", value=snap.in_flight
+        )
+        yield GaugeMetricFamily(
+            "polyserve_uptime_seconds",
+            "Seconds since the master started.",
+            value=snap.uptime_us / 1e6,
+        )
+        evictions = CounterMetricFamily(
+            "polyserve_space_evictions",
+            "Releases of the space by a worker, by reason: idle (POLYSERVE_IDLE_TTL), memory"
+            " (POLYSERVE_WORKER_MEMORY_MB) or demand (a release request).",
+            labels=["space", "reason"],
+        )
+        for reason, cell in EVICTIONS.items():
+            for space, value in zip(snap.names, snap.totals[:, cell].tolist(), strict=True):
+                evictions.add_metric([space, reason], value)
+        yield evictions
+        if self.fleet is not None:
+            applied, last = self.fleet
+            yield GaugeMetricFamily(
+                "polyserve_fleet_applied_change",
+                "The last fleet change this host has applied.",
+                value=applied,
+            )
+            yield GaugeMetricFamily(
+                "polyserve_fleet_lag_changes",
+                "Fleet changes this host has not applied yet.",
+                value=max(last - applied, 0),
+            )
+
+
+def exposition(
+    snap: Snapshot, fleet: tuple[int, int] | None = None, mapped: dict[str, int] | None = None
+) -> bytes:
+    """The Prometheus text format for one usage snapshot; in a fleet, with this host's
+    lag: `fleet` is (the last change it applied, the fleet's last change); `mapped` the
+    bytes each space's files are mapped for (polyserve/usage/mapped.py)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SnapshotCollector(snap, fleet, mapped))
+    return generate_latest(registry)
