@@ -55,6 +55,7 @@ bench: $(VENV)/.installed-dev
 	@command -v wrk >/dev/null || { echo "wrk is missing: install it with 'apt-get install wrk' (Debian/Ubuntu) or your package manager"; exit 1; }
 	$(BIN)/python bench/run.py
 
+# The settings tables of docs/settings.md and docs/autoscale.md, from their declarations.
 settings-table: $(VENV)/.installed-host
 	$(BIN)/python -m polyserve.settings --readme
 	$(BIN)/python -m polyserve.autoscale.config --docs

@@ -21,7 +21,7 @@ class Setting:
     # Called with the values read so far, so a default may follow an earlier setting.
     default: Callable[[dict[str, Any]], Any]
     doc: str
-    default_doc: str = ""  # shown in the README when the default is computed
+    default_doc: str = ""  # shown in docs/settings.md when the default is computed
     # Most settings take an empty value as unset; one that means "none" when empty
     # (POLYSERVE_PRELOAD) says so here.
     empty_is_value: bool = False
@@ -248,8 +248,8 @@ SETTINGS: tuple[Setting, ...] = (
         const(True),
         "Run each validation in PID and mount namespaces of its own where the host may"
         " make them (in a user namespace where it is not privileged): it then sees and"
-        " signals no other process (0: track and kill its processes only; README:"
-        " the validation sandbox).",
+        " signals no other process (0: track and kill its processes only;"
+        " docs/sandbox.md).",
         "1",
     ),
     Setting(
@@ -553,7 +553,7 @@ def scrubbed_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]
 
 
 def markdown_table(declared: tuple[Setting, ...] = SETTINGS) -> str:
-    """The README's settings table, generated from the declarations above."""
+    """docs/settings.md's settings table, generated from the declarations above."""
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     defaults: dict[str, Any] = {}
     for s in declared:
@@ -564,7 +564,7 @@ def markdown_table(declared: tuple[Setting, ...] = SETTINGS) -> str:
     return "\n".join(rows)
 
 
-def write_readme(path: str = "README.md", declared: tuple[Setting, ...] = SETTINGS) -> None:
+def write_readme(path: str = "docs/settings.md", declared: tuple[Setting, ...] = SETTINGS) -> None:
     """Replace the table between a page's settings markers with a fresh one."""
     begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
     with open(path) as f:

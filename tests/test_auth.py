@@ -310,7 +310,7 @@ def test_a_space_does_not_see_the_plaintext_admin_token(host_factory):
         assert ADMIN not in repr([seen["environ"], seen["env_orig"], seen["child"]]), when
         # The kernel's copy of the environment the master started with: setproctitle
         # (gunicorn's proc_name) writes the process title over that block, so it no
-        # longer shows the token either (the README says what still can).
+        # longer shows the token either (docs/auth.md says what still can).
         assert len(seen["kernel"]) > len(ADMIN), "the space read no environment block"
         assert ADMIN not in seen["kernel"], when
 

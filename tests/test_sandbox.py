@@ -329,7 +329,7 @@ def test_no_environment_a_validation_reads_holds_the_fleets_url(
 def test_no_environment_a_space_in_a_worker_reads_holds_the_fleets_url(host_factory, fleet_db):
     """A worker's os.environ held the URL (the master's, inherited), and so did the
     follower's /proc/<pid>/environ. A space can still read the worker's memory, where the
-    URL has to be: the README says so."""
+    URL has to be: docs/honest-limit.md says so."""
     host = fleet_host(host_factory, fleet_db)
     source = PROBE + "def handle(request):\n    return probe()\n"
     r = host.deploy("sb/probe", source, headers=AUTH)

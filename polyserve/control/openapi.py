@@ -51,7 +51,7 @@ _FLEET_202 = (
 
 
 def _space_write(summary: str, done: str) -> dict[str, Any]:
-    """A write to one deployed space (Host._change): delete and release answer alike."""
+    """A write to one deployed space (Deploys._change): delete and release answer alike."""
     return {
         "summary": summary,
         "security": [{}, {"bearer": []}],

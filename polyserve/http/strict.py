@@ -141,7 +141,8 @@ def limits(cfg: Any) -> dict[str, int]:
 
 
 def protocol(cfg: Any) -> type[StrictHttpToolsProtocol]:
-    """The protocol class for uvicorn's `config.http`, with gunicorn's limits in `cfg`."""
+    """The protocol class for uvicorn's `http` setting (`uvicorn.Config`), with gunicorn's
+    limits in `cfg`."""
     return type("StrictHttpToolsProtocol", (StrictHttpToolsProtocol,), limits(cfg))
 
 

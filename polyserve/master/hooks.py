@@ -237,7 +237,7 @@ def _create_table(
 ) -> tuple[Table, Leftover | None]:
     """A fresh table whose base row carries the usage of every earlier run: from the
     segment a killed master left (exact), else from the last checkpoint. That segment
-    comes along while the workers it left still answer (see _Leftover)."""
+    comes along while the workers it left still answer (see `Leftover`)."""
     name = segment_name(str(store.root))
     attached = Table.attach(name)
     leftover = None
@@ -287,7 +287,7 @@ def post_fork(server: Any, worker: Any) -> None:
         _lock_file.close()
         _lock_file = None
     # Nor is a killed master's segment a worker's: drop the mapping fork copied, so that
-    # only the dead master's own workers hold it (_Leftover.drained looks for them).
+    # only the dead master's own workers hold it (Leftover.drained looks for them).
     if _master is not None and _master.leftover is not None:
         with contextlib.suppress(BufferError):  # a view the fork copied: it stays mapped
             _master.leftover.table.close()

@@ -25,7 +25,7 @@ class Leftover:
     and fold their residency, writing into this segment after the new master has read
     it. Its name is unlinked at once, so no later master recovers it a second time, but
     the mapping is kept; once every one of those workers is gone, what they counted
-    after `taken` is added to the new table's base row, once (see _add_late_counts).
+    after `taken` is added to the new table's base row, once (see `add_late_counts`).
     """
 
     def __init__(self, table: Table, name: str, taken: np.ndarray) -> None:

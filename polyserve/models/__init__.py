@@ -19,9 +19,9 @@ one copy of its weights through the page cache, instead of each holding its own:
 
 The price is speed on larger batches (no prepacked weights): see docs/models.md for the
 figures. A model with no large initializer (a 4 KB one) is loaded exactly as
-`InferenceSession(path)` would: there is nothing to share. A file this module cannot
-walk is handed to onnxruntime as a path, which loads it (one copy per worker) or says
-what is wrong with it.
+`onnxruntime.InferenceSession(path)` would: there is nothing to share. A file this
+module cannot walk is handed to onnxruntime as a path, which loads it (one copy per
+worker) or says what is wrong with it.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ CELLS = len(Cell)
 # Plain ints for the request path: an IntEnum member lookup costs more than the store.
 _REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
 # Counters that only grow: what a checkpoint saves, a restart restores, and a slot
-# handed over to another space keeps for its old owner (store.Ledger).
+# handed over to another space keeps for its old owner (slots.Ledger).
 # The first six are the billing totals, the columns of the fleet's usage ledger (BILLED).
 TOTALS = (
     Cell.REQUESTS,
