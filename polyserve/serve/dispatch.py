@@ -15,7 +15,7 @@ from polyserve.logs import spacelog
 from polyserve.serve import answers, loader
 from polyserve.serve.deadlines import Deadlines
 from polyserve.serve.refusals import answer, elsewhere, refusal
-from polyserve.serve.spaces import OtherPool, Registry
+from polyserve.serve.registry import OtherPool, Registry
 from polyserve.usage.meter import Meter
 
 if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that

@@ -13,7 +13,8 @@ from starlette.types import Receive, Scope, Send
 
 from polyserve.errors import ClientError
 from polyserve.serve import loader
-from polyserve.serve.spaces import NO_ROOM_RETRY_S, NoRoom, NotDeployed, OtherPool
+from polyserve.serve.loading import NotDeployed, OtherPool
+from polyserve.serve.memcap import NO_ROOM_RETRY_S, NoRoom
 
 if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
     from polyserve.fleet.pools import PoolRouter
