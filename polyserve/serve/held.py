@@ -4,7 +4,7 @@ being pruned, and how a version is let go (retired, drained, stopped, collected)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -13,7 +13,7 @@ import anyio.to_thread
 from polyserve.serve import heap, loader
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.store import Store, Version
-from polyserve.usage.meter import Cell, Meter
+from polyserve.usage.meter import Meter
 
 COLLECT_INTERVAL_S = 1.0
 
@@ -123,42 +123,6 @@ class Held:
     def _prune(self, space: str, slot: int) -> None:
         with self.store.locked():
             self.store.prune(space, self.broadcast.oldest_held(slot))
-
-    def release_for(
-        self, space: str, excess: int, sizes: Mapping[str, int], pinned: Callable[[str], bool]
-    ) -> list[asyncio.Task[None]]:
-        """Drop tasks of what a load of `space` short of `excess` bytes under the memory
-        cap lets go: the space's own idle old version, else idle spaces (_evict) that
-        are not `pinned`, by the `sizes` their last loads measured."""
-        old = self.active.get(space)
-        if old is not None and old.inflight == 0:
-            dropping = [self.retire(old)]  # a swap: not an eviction, nor a release
-        else:
-            dropping = self._evict(space, excess, sizes, pinned)
-        del old
-        return [t for t in dropping if t is not None]
-
-    def _evict(
-        self, space: str, excess: int, sizes: Mapping[str, int], pinned: Callable[[str], bool]
-    ) -> list[asyncio.Task[None] | None]:
-        """Retire idle spaces, least recently used first, as many as their last loads
-        say it takes to free `excess` bytes (at least one: a size measured while other
-        loads ran may be 0). Returns their drop tasks, not them: a reference left to a
-        dropped space would keep its memory from the collection."""
-        idle = [
-            a
-            for name, a in self.active.items()
-            if a.inflight == 0 and name != space and not pinned(name)
-        ]
-        idle.sort(key=lambda a: a.last_used)
-        dropping = []
-        for active in idle:
-            self.meter.evicted(active.slot, Cell.EVICTED_MEMORY)
-            dropping.append(self.retire(active))
-            excess -= sizes.get(active.imported.space, 0)
-            if excess <= 0:
-                break
-        return dropping
 
     @staticmethod
     async def wait_dropped(actives: list[Active]) -> None:

@@ -202,14 +202,12 @@ class Loads:
             raise
         # Memory the load added: approximate when other work runs at the same time.
         self.meter.loaded(slot, started_us, anon_bytes() - anon_before)
-        if cap.limit:
-            cap.imported(space, memory_before)
         now = self.clock()
         active = Active(imported, version, slot, generation, releases, last_used=now)
         if cap.limit:
             # Checked before the switch, so that no request leases a version that may be
             # refused: until then they wait for this load.
-            with cap.checking(space):
+            with cap.checking(space, memory_before):
                 try:
                     await cap.fit(space)
                 except BaseException:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from polyserve.serve.held import Held
-from polyserve.usage.meter import Meter, anon_bytes
+from polyserve.usage.meter import Cell, Meter, anon_bytes
 
 # Evicting for memory frees down to this much below the cap, so that the synchronous
 # collection it needs runs once per few loads rather than at every one.
@@ -146,19 +146,17 @@ class MemoryCap:
         self.estimates.begin(space, any(name != space for name in self.held.active))
         return before
 
-    def imported(self, space: str, before: int) -> None:
-        """After the import: what the load added is in the measure now."""
-        self.estimates.end(space, max(self.memory() - before, 0))
-        self._reserved.pop(space, None)
-
     def abandon(self, space: str) -> None:
         """A load that failed, or was cancelled, before its import ended."""
         self.estimates.abandon(space)
         self._reserved.pop(space, None)
 
     @contextmanager
-    def checking(self, space: str) -> Iterator[None]:
-        """A load's turn at its check after the import (fit)."""
+    def checking(self, space: str, before: int) -> Iterator[None]:
+        """After a load's import: what it added is in the measure now (from `before`),
+        and the load has its turn at its check (fit) until the block ends."""
+        self.estimates.end(space, max(self.memory() - before, 0))
+        self._reserved.pop(space, None)
         self._checking[space] = next(self._turns)
         try:
             yield
@@ -217,7 +215,7 @@ class MemoryCap:
                     await held.collect_after([])
                     continue
                 excess = memory + coming + need - int(cap * (1 - HEADROOM))
-                dropping = held.release_for(space, excess, self.estimates.sizes, self.pinned)
+                dropping = self._release(space, excess)
                 if dropping or not collected:
                     await held.collect_after(dropping)
                     collected = True
@@ -232,52 +230,40 @@ class MemoryCap:
                 loads += [name for name, n in self._checking.items() if n > checked]
             else:
                 loads = [*self._reserved, *self._checking]
-            refusal: NoRoom | None = None
-            waited = True  # what holds the room was waited for, and did not let it go
+            refuse, waited = False, True  # waited: for what holds the room, in vain
             if loads:
                 # A load takes as long as its import may (a hung one must not hold
                 # every other load back for ever), counted from the last that ended.
                 if set(loads) != waited_for:
                     waited_for, loads_since = set(loads), loop.time()
-                if loop.time() - loads_since >= held.start_timeout:
-                    refusal = self._no_room(space, memory, imported, busy, draining, len(loads))
+                refuse = loop.time() - loads_since >= held.start_timeout
+                holders = (len(busy), draining, len(loads))
             elif busy or draining:
                 busy_since = loop.time() if busy_since is None else busy_since
-                if loop.time() - busy_since >= self.room_wait_s:
-                    refusal = self._no_room(space, memory, imported, busy, draining, 0)
+                refuse = loop.time() - busy_since >= self.room_wait_s
+                holders = (len(busy), draining, 0)
             else:
                 others = len(self._checking) - (space in self._checking)  # checked before
-                refusal = self._no_room(space, memory, imported, [], False, others)
-                waited = False
-            if refusal is not None:
+                refuse, waited, holders = True, False, (0, False, others)
+            if refuse:
                 # An estimate refuses on its own only if measured alone; after a wait,
                 # also one measured beside other spaces. Else it may be far off: import
                 # and see, and let the check after the import refuse if need be.
                 if imported or memory > cap or self.estimates.trusted(space, waited):
-                    raise refusal
+                    raise self._no_room(space, memory, imported, *holders)
                 self._reserved[space] = need
                 return
             await asyncio.sleep(ROOM_POLL_S)
 
     def _no_room(
-        self,
-        space: str,
-        memory: int,
-        imported: bool,
-        busy: list[str],
-        draining: bool,
-        loads: int,
+        self, space: str, memory: int, imported: bool, busy: int, draining: bool, loads: int
     ) -> NoRoom:
-        """NoRoom, saying what holds the memory that keeps the space out."""
+        """NoRoom, saying what holds the memory that keeps the space out: `busy` other
+        spaces in flight, its own old version `draining`, `loads` other loads."""
         size, took = self.estimates.took(space, imported)
-        holding = [f"the {len(busy)} other spaces it holds have requests in flight"] if busy else []
-        if draining:
-            holding.append("its old version still has requests in flight (draining)")
-        if loads:
-            holding.append(f"{loads} other loads in flight take memory too")
         own = memory - (size if imported else 0)  # the worker's, without the space
         floor = own if self._floor is None else min(self._floor, own)
-        why = _why(holding, own, floor, size, self.limit)
+        why = _why(busy, draining, loads, own, floor, size, self.limit)
         return NoRoom(space, memory, self.limit, f"{took}, and {why}")
 
     def _room_lock(self) -> asyncio.Lock:
@@ -287,10 +273,46 @@ class MemoryCap:
             self._room = (loop, asyncio.Lock())
         return self._room[1]
 
+    def _release(self, space: str, excess: int) -> list[asyncio.Task[None]]:
+        """Drop tasks of what _make_room lets go: the space's own idle old version, else
+        idle spaces (_evict)."""
+        old = self.held.active.get(space)
+        if old is not None and old.inflight == 0:
+            dropping = [self.held.retire(old)]  # a swap: not an eviction, nor a release
+        else:
+            dropping = self._evict(space, excess)
+        del old
+        return [t for t in dropping if t is not None]
 
-def _why(holding: list[str], own: int, floor: int, size: int, limit: int) -> str:
+    def _evict(self, space: str, excess: int) -> list[asyncio.Task[None] | None]:
+        """Retire idle spaces, least recently used first, as many as their last loads
+        say it takes to free `excess` bytes (at least one: a size measured while other
+        loads ran may be 0). Returns their drop tasks, not them: a reference left to a
+        dropped space would keep its memory from the collection."""
+        idle = [
+            a
+            for name, a in self.held.active.items()
+            if a.inflight == 0 and name != space and not self.pinned(name)
+        ]
+        idle.sort(key=lambda a: a.last_used)
+        dropping = []
+        for active in idle:
+            self.meter.evicted(active.slot, Cell.EVICTED_MEMORY)
+            dropping.append(self.held.retire(active))
+            excess -= self.estimates.sizes.get(active.imported.space, 0)
+            if excess <= 0:
+                break
+        return dropping
+
+
+def _why(busy: int, draining: bool, loads: int, own: int, floor: int, size: int, limit: int) -> str:
     """What keeps a space out: what holds the memory, else the space itself, else memory
     that no space holds (`own`: the worker's without the space, `floor`: its least)."""
+    holding = [f"the {busy} other spaces it holds have requests in flight"] if busy else []
+    if draining:
+        holding.append("its old version still has requests in flight (draining)")
+    if loads:
+        holding.append(f"{loads} other loads in flight take memory too")
     if holding:
         return f"{' and '.join(holding)}; retry in {NO_ROOM_RETRY_S} s"
     if floor + size > limit:
