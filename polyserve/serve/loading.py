@@ -174,8 +174,9 @@ class Loads:
     async def _import(
         self, space: str, version: Version, slot: int, generation: int, releases: int
     ) -> tuple[Active, float]:
-        """The version held, imported and started, with room for it under the cap; and
-        the milliseconds it took, room-making left out."""
+        """`version` (held by the caller, let go here if this fails) imported and started,
+        with room for it under the cap; and the milliseconds it took, room-making left
+        out."""
         cap = self.cap
         memory_before = 0
         try:

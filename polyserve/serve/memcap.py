@@ -13,6 +13,7 @@ import asyncio
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from enum import IntEnum
 
 from polyserve.serve.held import Held
 from polyserve.usage.meter import Cell, Meter, anon_bytes
@@ -25,9 +26,15 @@ NO_ROOM_RETRY_S = 1  # a busy space's requests end soon; then its memory can be 
 # not signalled: end_lease is the warm path), checking every ROOM_POLL_S.
 ROOM_WAIT_S = 1.0
 ROOM_POLL_S = 0.01
-# What a load's memory is measured beside: nothing, spaces held, or a disturbance
-# (another load, or a space released meanwhile, whose memory lands in the measure).
-ALONE, BESIDE_SPACES, DISTURBED = 0, 1, 2
+
+
+class Beside(IntEnum):
+    """What a load's memory is measured beside: nothing, spaces held, or a disturbance
+    (another load, or a space released meanwhile, whose memory lands in the measure)."""
+
+    ALONE = 0
+    SPACES = 1
+    DISTURBED = 2
 
 
 class NoRoom(Exception):
@@ -54,27 +61,30 @@ class Estimates:
 
     def __init__(self) -> None:
         self.sizes: dict[str, int] = {}
-        self.beside: dict[str, int] = {}
+        self.beside: dict[str, Beside] = {}
         # Loads being measured, each with what it is measured beside; and each load's
         # measure until its check is done, for what a refusal says.
-        self._measuring: dict[str, int] = {}
-        self._measured: dict[str, tuple[int, int]] = {}
+        self._measuring: dict[str, Beside] = {}
+        self._measured: dict[str, tuple[int, Beside]] = {}
 
     def begin(self, space: str, beside_spaces: bool) -> None:
         """Start measuring a load: beside the spaces held, if any; it and every load it
         overlaps are disturbed."""
         others = bool(self._measuring)
         self.disturb()
-        self._measuring[space] = DISTURBED if others else BESIDE_SPACES if beside_spaces else ALONE
+        self._measuring[space] = (
+            Beside.DISTURBED if others else Beside.SPACES if beside_spaces else Beside.ALONE
+        )
 
     def disturb(self) -> None:
         for name in self._measuring:
-            self._measuring[name] = DISTURBED
+            self._measuring[name] = Beside.DISTURBED
 
     def end(self, space: str, added: int) -> None:
         beside = self._measuring.pop(space)
         self._measured[space] = (added, beside)
-        if beside < DISTURBED or self.beside.get(space, DISTURBED) == DISTURBED:
+        disturbed = Beside.DISTURBED  # a disturbed measure replaces only a disturbed one
+        if beside < disturbed or self.beside.get(space, disturbed) == disturbed:
             self.sizes[space], self.beside[space] = added, beside
 
     def abandon(self, space: str) -> None:
@@ -86,8 +96,8 @@ class Estimates:
     def trusted(self, space: str, waited: bool) -> bool:
         """Whether the estimate may refuse a load on its own: if measured alone; after a
         wait, also if measured beside other spaces. Else it may be far off."""
-        beside = self.beside.get(space, DISTURBED)
-        return beside == ALONE or (waited and beside == BESIDE_SPACES)
+        beside = self.beside.get(space, Beside.DISTURBED)
+        return beside == Beside.ALONE or (waited and beside == Beside.SPACES)
 
     def took(self, space: str, imported: bool) -> tuple[int, str]:
         """The size a refusal counts the space at, and where it says that comes from."""
@@ -98,9 +108,9 @@ class Estimates:
             size, beside = self.sizes[space], self.beside[space]
             took = f"the space's last measured load took {size >> 20} MiB"
         else:
-            size, beside, took = 0, ALONE, "the space has not been measured here yet"
-        if beside != ALONE:
-            took += f", measured beside other {'spaces' if beside == BESIDE_SPACES else 'work'}"
+            size, beside, took = 0, Beside.ALONE, "the space has not been measured here yet"
+        if beside != Beside.ALONE:
+            took += f", measured beside other {'spaces' if beside == Beside.SPACES else 'work'}"
         return size, took
 
 
