@@ -260,7 +260,7 @@ def publish_example(data_dir: Path, space: str, max_spaces: int = 16) -> None:
 
 def registry(data_dir: Path, clock, max_spaces: int = 16):
     """One worker's registry over a private table, as a worker builds it."""
-    from polyserve.serve.spaces import Registry
+    from polyserve.serve.registry import Registry
     from polyserve.state.broadcast import Broadcast
     from polyserve.state.shm import Table
     from polyserve.state.store import Store

@@ -35,7 +35,7 @@ from polyserve.serve import warmup
 from polyserve.serve.deadlines import Deadlines
 from polyserve.serve.dispatch import Dispatch, answer
 from polyserve.serve.inference import InferenceRoutes
-from polyserve.serve.spaces import Registry
+from polyserve.serve.registry import Registry
 from polyserve.state.broadcast import SIGNAL, Broadcast
 from polyserve.state.shm import Table
 from polyserve.state.store import Store
@@ -120,7 +120,7 @@ async def running_host(
         registry=registry,
         dispatch=Dispatch(registry, usage, deadlines, pools, s.max_infer_mb << 20),
         deploys=Deploys(
-            s, store, broadcast, table, threads, registry.refresh, fleet, registry.floor
+            s, store, broadcast, table, threads, registry.refresh, fleet, registry.cap.floor
         ),
         logs=logs,
     )

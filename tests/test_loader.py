@@ -1,4 +1,5 @@
-"""Unit tests of polyserve.serve.loader: fresh namespaces, versions, handle(), lifespan."""
+"""Unit tests of polyserve.serve.loader, namespace and answers: fresh namespaces, versions,
+handle(), lifespan."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from starlette.responses import JSONResponse
 from starlette.testclient import TestClient
 
-from polyserve.serve import loader
+from polyserve.serve import answers, loader
 
 
 def write(root: Path, files: dict[str, str]) -> Path:
@@ -155,7 +156,7 @@ def test_a_forgotten_version_is_collected(tmp_path):
     ],
 )
 def test_handle_results_become_responses(result, status, body, ctype):
-    client = TestClient(loader.HandleApp(lambda request: result))
+    client = TestClient(answers.HandleApp(lambda request: result))
     response = client.get("/")
     assert response.status_code == status
     assert response.headers.get("content-type") == ctype
@@ -168,7 +169,7 @@ def test_handle_results_become_responses(result, status, body, ctype):
 def test_a_response_is_passed_through():
     from starlette.responses import PlainTextResponse
 
-    client = TestClient(loader.HandleApp(lambda r: PlainTextResponse("t", status_code=201)))
+    client = TestClient(answers.HandleApp(lambda r: PlainTextResponse("t", status_code=201)))
     response = client.get("/")
     assert (response.status_code, response.text) == (201, "t")
 
@@ -183,13 +184,13 @@ def test_sync_handle_runs_in_the_threadpool_and_async_handle_inline():
         seen["async"] = threading.get_ident()
         seen["loop"] = id(asyncio.get_running_loop())
 
-    assert not loader.HandleApp(sync_handle).is_async
-    assert loader.HandleApp(async_handle).is_async
+    assert not answers.HandleApp(sync_handle).is_async
+    assert answers.HandleApp(async_handle).is_async
 
     async def main():
         seen["loop_thread"] = threading.get_ident()
         for handle in (sync_handle, async_handle):
-            app = loader.HandleApp(handle)
+            app = answers.HandleApp(handle)
             sent: list[dict] = []
             scope = {
                 "type": "http",
@@ -316,19 +317,19 @@ _NO_FLOATS = (
 
 @given(_json_values(_NO_FLOATS))
 def test_a_dict_or_list_answer_is_byte_for_byte_what_the_stdlib_would_send(value):
-    assert loader.to_response(value).body == JSONResponse(value).body
+    assert answers.to_response(value).body == JSONResponse(value).body
 
 
 @given(_json_values(_NO_FLOATS | st.floats(allow_nan=False, allow_infinity=False)))
 def test_floats_keep_their_values(value):
     """Only their spelling may differ: orjson writes 0.00006103515625 for 6.103515625e-05."""
-    assert json.loads(loader.to_response(value).body) == json.loads(JSONResponse(value).body)
+    assert json.loads(answers.to_response(value).body) == json.loads(JSONResponse(value).body)
 
 
 def test_numpy_values_and_big_ints_encode_and_unencodable_values_still_fail():
     model_output = {"y": np.arange(3), "p": np.float32(0.5)}
-    assert loader.to_response(model_output).body == b'{"y":[0,1,2],"p":0.5}'
-    big = loader.to_response({"big": 2**70}).body  # past orjson's 64 bits: the stdlib's
+    assert answers.to_response(model_output).body == b'{"y":[0,1,2],"p":0.5}'
+    big = answers.to_response({"big": 2**70}).body  # past orjson's 64 bits: the stdlib's
     assert big == b'{"big":1180591620717411303424}'
     with pytest.raises(TypeError):
-        loader.to_response({"s": {1, 2}})  # dispatch turns it into a JSON 500
+        answers.to_response({"s": {1, 2}})  # dispatch turns it into a JSON 500

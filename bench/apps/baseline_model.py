@@ -7,7 +7,7 @@ from pathlib import Path
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from polyserve.serve.loader import to_response
+from polyserve.serve.answers import to_response
 
 _path = Path(__file__).resolve().parents[2] / "examples" / "python-onnx-tiny" / "main.py"
 _spec = importlib.util.spec_from_file_location("onnx_tiny", _path)

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 WARM = Path(__file__).parent / "warm"  # a space of our own, and the model it loads
-# warm/model.onnx: an Identity node and an ai.onnx.ml Normalizer (float[1,1] -> float[1,1]),
-# 151 bytes. A first session of a model from a domain builds that domain's registries, and
-# ai.onnx.ml is the one of scikit-learn's converted models: declaring it saved ~0.4 ms of a
-# fresh worker's first onnx-tiny load (4.92 -> 4.50 ms p50, 12 workers each, alternated).
+# warm/model.onnx: an Identity node and an ai.onnx.ml Normalizer (float[1,1] -> float[1,1]).
+# A first session of a model from a domain builds that domain's registries, and ai.onnx.ml
+# is the one of scikit-learn's converted models: declaring it shortens a fresh worker's
+# first onnx-tiny load (bench/NOTES.md, figures moved out of code comments).
 # Made with the onnx package (not a host dependency):
 #   x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1]); y = the same for "y"
 #   nodes = [helper.make_node("Identity", ["x"], ["h"]),
@@ -24,15 +24,16 @@ WARM_ONNX = WARM / "model.onnx"
 
 def _onnxruntime() -> None:
     """onnxruntime builds its environment (logging, kernel registries, the CPU execution
-    provider, its allocators) at the first InferenceSession of a process: 6-10 ms here,
-    which every fresh worker's first model load paid. One throwaway session, loaded as
+    provider, its allocators) at the first InferenceSession of a process, which every
+    fresh worker's first model load paid. One throwaway session, loaded as
     model spaces load theirs (polyserve.models, docs/models.md), builds it in the
     master. With one thread per pool it starts no thread, so the fork stays as safe as
     importing onnxruntime was. polyserve.models is imported here for the same reason: a
-    worker's own import of it was half of a first onnx-tiny load (~5 ms, most of it
-    compiling where no bytecode is written, as under PYTHONDONTWRITEBYTECODE). The
-    session is not run: a run's allocations cost each loaded worker 1 MiB more private
-    memory, for a first load no faster."""
+    worker's own import of it was half of a first onnx-tiny load (most of it compiling
+    where no bytecode is written, as under PYTHONDONTWRITEBYTECODE). The session is not
+    run: a run's allocations cost each loaded worker more private memory, for a first
+    load no faster. The figures are in bench/NOTES.md (figures moved out of code
+    comments)."""
     from polyserve.models import onnx_session
 
     onnx_session(WARM_ONNX)
@@ -47,11 +48,12 @@ def in_worker(modules: tuple[str, ...]) -> None:
     modules' warm-ups again, then import a space of our own and forget it.
 
     What the master built before the fork is shared copy-on-write, and a first write to
-    any of those pages copies it: ~7 µs each here. A first onnxruntime session writes
-    ~400 (malloc's arenas, onnxruntime's registries, reference counts), and a first
-    import of a space another ~100 (the loader's paths, pathlib's, importlib's): 2 ms of
-    a fresh worker's first onnx-tiny load, billed to its space. Paid here, that load
-    costs its own work. The price: ~0.2-0.4 MiB more private memory per worker."""
+    any of those pages copies it. A first onnxruntime session writes hundreds of them
+    (malloc's arenas, onnxruntime's registries, reference counts), and a first import of
+    a space more (the loader's paths, pathlib's, importlib's): a share of a fresh
+    worker's first onnx-tiny load, billed to its space. Paid here, that load costs its
+    own work, for a little more private memory per worker (bench/NOTES.md, figures moved
+    out of code comments)."""
     for name in modules:
         if name in WARMUPS:
             WARMUPS[name]()

@@ -1,4 +1,5 @@
-"""Unit tests of polyserve.serve.spaces: on-demand load, hot swap with drain, idle release.
+"""Unit tests of polyserve.serve.registry and what it holds (held, loading, memcap):
+on-demand load, hot swap with drain, idle release, the memory cap.
 
 The clock is injected and the shared table is anonymous, so nothing sleeps or forks.
 """
@@ -18,7 +19,7 @@ import pytest
 from polyserve import settings
 from polyserve.deploy.deploys import Deploys
 from polyserve.serve import loader
-from polyserve.serve.spaces import NoRoom, NotDeployed, OtherPool, Registry
+from polyserve.serve.registry import NoRoom, NotDeployed, OtherPool, Registry
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.shm import Table
 from polyserve.state.store import Store
@@ -124,7 +125,7 @@ def test_a_fleet_worker_never_imports_another_pools_space(world, monkeypatch):
     a load, and once seen, its requests are sent elsewhere without reading the store
     again until its generation moves."""
     calls = count_imports(monkeypatch)
-    world.registry.pool = "cpu"
+    world.registry.loads.pool = "cpu"
     world.deploy("o/g", version(1), pool="gpu")
     for _ in range(3):
         with pytest.raises(OtherPool) as err:
@@ -144,7 +145,7 @@ def test_a_fleet_worker_never_imports_another_pools_space(world, monkeypatch):
 
 
 def test_a_loaded_space_redeployed_into_another_pool_is_let_go(world):
-    world.registry.pool = "cpu"
+    world.registry.loads.pool = "cpu"
     world.deploy("o/m", version(1))
     assert run(world.call("o/m")) == 1
     world.deploy("o/m", version(2), pool="gpu")
@@ -245,7 +246,7 @@ def test_refresh_swaps_without_waiting_for_a_request(world):
         await world.call("o/s")
         world.deploy("o/s", version(2))
         world.registry.refresh()  # what the broadcast signal does
-        await asyncio.gather(*world.registry._loading.values())
+        await asyncio.gather(*world.registry.loads.tasks.values())
         return world.registry.active["o/s"].imported.module.VERSION
 
     assert run(main()) == 2
@@ -300,7 +301,7 @@ def test_a_failed_load_is_reported_and_retried(world):
         for _ in range(2):
             with pytest.raises(loader.LoadError, match="flaky"):
                 await world.registry.lease("o/s")
-        assert world.registry._loading == {}
+        assert world.registry.loads.tasks == {}
 
     run(main())
 
@@ -422,8 +423,8 @@ def ballast(mib: int) -> str:
 @pytest.fixture
 def capped(world: World) -> Iterator[World]:
     """The world's registry under a 10 MiB cap on the Ballast memory its spaces hold."""
-    world.registry.memory_cap = 10 * MIB
-    world.registry.memory = Ballast.held
+    world.registry.cap.limit = 10 * MIB
+    world.registry.cap.memory = Ballast.held
     yield world
     run(world.registry.close())  # no Ballast left for the next test
     gc.collect()
@@ -518,7 +519,7 @@ def test_a_load_of_known_size_makes_room_before_it_imports(capped):
 
 def test_evictions_are_counted_by_reason(capped):
     """Idle TTL, memory and release on demand each count in their own cell."""
-    capped.registry.memory_cap = 0  # no cap until the memory step
+    capped.registry.cap.limit = 0  # no cap until the memory step
     capped.deploy("o/s", ballast(4))
     capped.deploy("o/t", ballast(8))
 
@@ -530,7 +531,7 @@ def test_evictions_are_counted_by_reason(capped):
         capped.registry.refresh()  # on demand
         capped.clock.now = TTL + 1
         await capped.call("o/s")
-        capped.registry.memory_cap = 10 * MIB
+        capped.registry.cap.limit = 10 * MIB
         capped.clock.now = TTL + 2
         await capped.call("o/t")  # memory
 
@@ -654,14 +655,14 @@ def test_a_size_measured_during_another_load_does_not_refuse_the_space_later(cap
         await capped.call("o/y")
         go.touch()
         await x  # o/y, idle, is evicted for it
-        assert capped.registry._sizes["o/x"] == 11 * MIB
+        assert capped.registry.cap.estimates.sizes["o/x"] == 11 * MIB
         await capped.reap_at(TTL + 1)
         gc.collect()  # what the deferred collection would do
         assert Ballast.held() == 0
         return await capped.call("o/x")
 
     assert run(main()) == 1
-    assert capped.registry._sizes["o/x"] == 1 * MIB
+    assert capped.registry.cap.estimates.sizes["o/x"] == 1 * MIB
 
 
 def test_a_load_is_billed_its_own_time_not_the_evictions_it_waited_for(capped, monkeypatch):
@@ -746,7 +747,7 @@ def test_loads_imported_together_over_the_cap_refuse_one_saying_so(capped):
 def test_a_load_short_of_room_waits_for_another_spaces_request_to_end(capped):
     """With the only other space in flight, a load of known size that needs its memory
     waits for that request to end, then releases it, instead of being refused at once."""
-    capped.registry.room_wait_s = 60.0  # the loop's turns below take far less
+    capped.registry.cap.room_wait_s = 60.0  # the loop's turns below take far less
     capped.deploy("o/a", ballast(4))
     capped.deploy("o/big", ballast(7))
 
@@ -771,7 +772,7 @@ def test_a_load_waits_for_a_hung_import_only_as_long_as_an_import_may_take(cappe
     """A load short of room while another space's import hangs waits for it up to the
     start timeout, then is refused saying a load in flight takes the memory."""
     go = tmp_path / "go"
-    capped.registry.start_timeout = 0.2
+    capped.registry.held.start_timeout = 0.2
     capped.deploy(
         "o/hang",
         "import os, time\nfrom tests.helpers import Ballast\nBLOB = Ballast(4)\n"
@@ -827,4 +828,4 @@ def test_a_size_measured_while_a_space_was_released_does_not_replace_the_estimat
         return await x
 
     assert run(main()) == 1
-    assert capped.registry._sizes["o/x"] == 4 * MIB
+    assert capped.registry.cap.estimates.sizes["o/x"] == 4 * MIB

@@ -1,0 +1,230 @@
+"""Loading one version of a space at a time: which version, its files, its import on a
+thread, its start, its room under the memory cap, and the switch to it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import anyio
+import anyio.to_thread
+
+from polyserve.errors import ClientError
+from polyserve.names import parse_space
+from polyserve.serve import loader
+from polyserve.serve.held import Active, Held
+from polyserve.serve.memcap import MemoryCap, NoRoom
+from polyserve.state.broadcast import Broadcast
+from polyserve.state.store import Store, Version
+from polyserve.usage.meter import Cell, Meter, anon_bytes
+
+log = logging.getLogger("polyserve")
+
+
+class NotDeployed(Exception):
+    """No version of this space is published (never deployed, deleted, or a bad name)."""
+
+
+class OtherPool(Exception):
+    """The space's current version runs in another pool than this fleet host's: it is
+    neither imported nor fetched here."""
+
+    def __init__(self, space: str, pool: str, host_pool: str) -> None:
+        super().__init__(f"{space} runs in pool {pool}, this host in pool {host_pool}")
+        self.space = space
+        self.pool = pool
+        self.host_pool = host_pool
+
+
+class Loads:
+    """One worker's loads: one per space at a time, however many requests and signals
+    ask for it, each ending in the switch to the version it loaded."""
+
+    def __init__(
+        self,
+        held: Held,
+        cap: MemoryCap,
+        store: Store,
+        broadcast: Broadcast,
+        meter: Meter,
+        clock: Callable[[], float],
+        space_threads: int = loader.DEFAULT_THREADS,
+        host_limiter: anyio.CapacityLimiter | None = None,
+        fetch: Callable[[Version], Awaitable[None]] | None = None,
+        pool: str | None = None,
+    ) -> None:
+        self.held = held
+        self.cap = cap
+        self.store = store
+        self.broadcast = broadcast
+        self.meter = meter
+        self.clock = clock
+        self.space_threads = space_threads
+        # Imports run on threads no tenant's sync handlers can take (see HandleApp).
+        self.host_limiter = host_limiter
+        # In a fleet: put a version's files in place, for one this host knows only by
+        # its pointer (a host that joined, or caught up far behind, fetches on first use),
+        # on the fleet's threads: a stalled database holds none of the import threads.
+        self.fetch = fetch
+        # In a fleet, the only pool whose spaces this worker imports; None (a single
+        # host) imports every space whatever its pool.
+        self.pool = pool
+        self.tasks: dict[str, asyncio.Task[Active]] = {}  # the load under way, by space
+        # A slot changes only when a deleted space's slot is handed over; a load
+        # checks, and every hand-over bumps the slot's generation, which forces one.
+        self.slots: dict[str, int] = {}
+        # Another pool's spaces, with the generation at which that was found: until the
+        # word moves (a deploy or a delete), a request for one is sent elsewhere at once.
+        self._other_pool: dict[str, tuple[int, str]] = {}
+
+    def for_request(self, space: str) -> asyncio.Task[Active]:
+        """The load a request waits for when the space's version here is stale or absent:
+        the one under way, else a new one. A load started for an older generation may
+        finish with an older version: the request looks again once it is done."""
+        slot = self.slots.get(space)
+        if slot is None:
+            slot = self._find_slot(space)
+        generation = self.broadcast.generation(slot)
+        other = self._other_pool.get(space)
+        if other is not None and other[0] == generation and self.pool is not None:
+            raise OtherPool(space, other[1], self.pool)
+        return self.tasks.get(space) or self.start(space, slot, generation)
+
+    def _find_slot(self, space: str) -> int:
+        try:
+            parse_space(space)
+        except ClientError:
+            raise NotDeployed(space) from None
+        slot = self.store.slots.slot(space)
+        if slot is None:
+            raise NotDeployed(space)
+        if slot >= self.broadcast.table.space_slots:
+            raise loader.LoadError(
+                f"space slot {slot} is outside the shared table: raise POLYSERVE_MAX_SPACES"
+            )
+        self.slots[space] = slot
+        return slot
+
+    def start(self, space: str, slot: int, generation: int) -> asyncio.Task[Active]:
+        """Load once per space at a time, however many requests and signals ask for it."""
+        task = asyncio.create_task(self._load_once(space, slot, generation))
+        self.tasks[space] = task
+        # A load started by refresh() may have no awaiter: mark its error as seen (it is
+        # logged in _load_once) so asyncio does not report it again at collection.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    async def _load_once(self, space: str, slot: int, generation: int) -> Active:
+        try:
+            return await self._load(space, slot, generation)
+        except (loader.LoadError, NoRoom) as exc:
+            log.warning("loading %s failed: %s", space, exc)
+            raise
+        finally:
+            # Unregister before the task is done: a done task left in tasks would let
+            # lease() await it without yielding, in a loop that never ends.
+            del self.tasks[space]
+
+    async def _load(self, space: str, slot: int, generation: int) -> Active:
+        held = self.held
+        current = held.active.get(space)
+        self.store.slots.refresh()
+        if self.store.slots.slot(space) != slot:  # the space was deleted and its slot handed over
+            if current is not None:
+                held.retire(current)
+            self.slots.pop(space, None)  # lease() looks it up again
+            slot = self._find_slot(space)
+            generation = self.broadcast.generation(slot)
+        version = held.current(space, slot)
+        if version is None:
+            if current is not None:
+                held.retire(current)
+            raise NotDeployed(space)
+        if self.pool is not None and version.pool != self.pool:
+            # Checked on the cold path only: a loaded space costs its requests nothing.
+            held.unhold(space, slot, version.number)
+            if current is not None:  # redeployed into another pool
+                held.retire(current)
+            self._other_pool[space] = (generation, version.pool)
+            raise OtherPool(space, version.pool, self.pool)
+        releases = self.broadcast.releases(slot)
+        if current is not None and current.version == version and current.releases == releases:
+            held.unhold(space, slot, version.number)  # the Active holds it already
+            current.generation = generation  # a bump that did not change the version
+            return current
+        if current is not None and current.releases != releases:
+            # Released on demand while this worker missed the signal: re-imported below.
+            self.meter.evicted(slot, Cell.EVICTED_DEMAND)
+        # Not kept across the awaits: a stale version held by this frame could not be
+        # collected when it is dropped for room. It serves nobody new (lease checks the
+        # generation); it is retired at the switch, or before, by the memory cap.
+        del current
+        active, took_ms = await self._import(space, version, slot, generation, releases)
+        # The switch: from here on new requests get the new version.
+        current = held.active.get(space)  # not if the reaper or the cap retired it
+        held.active[space] = active
+        if current is not None:
+            held.retire(current)
+        log.info(
+            "loaded %s v%d (%s) in %.1f ms", space, version.number, active.imported.kind, took_ms
+        )
+        return active
+
+    async def _import(
+        self, space: str, version: Version, slot: int, generation: int, releases: int
+    ) -> tuple[Active, float]:
+        """`version` (held by the caller, let go here if this fails) imported and started,
+        with room for it under the cap; and the milliseconds it took, room-making left
+        out."""
+        cap = self.cap
+        memory_before = 0
+        try:
+            if cap.limit:
+                memory_before = await cap.admit(space)
+            # Taken after making room: other tenants' shutdowns are not this load's time.
+            started, started_us, anon_before = self.clock(), self.meter.clock(), anon_bytes()
+            if not version.dir.is_dir():
+                await self._fetch(version)
+            imported = await anyio.to_thread.run_sync(
+                loader.import_version,
+                space,
+                version.number,
+                version.dir,
+                version.entry,
+                self.space_threads,
+                version.deps,
+                limiter=self.host_limiter,
+            )
+            await loader.start(imported, self.held.start_timeout)
+        except BaseException:
+            cap.abandon(space)
+            self.held.unhold(space, slot, version.number)
+            raise
+        # Memory the load added: approximate when other work runs at the same time.
+        self.meter.loaded(slot, started_us, anon_bytes() - anon_before)
+        now = self.clock()
+        active = Active(imported, version, slot, generation, releases, last_used=now)
+        if cap.limit:
+            # Checked before the switch, so that no request leases a version that may be
+            # refused: until then they wait for this load.
+            with cap.checking(space, memory_before):
+                try:
+                    await cap.fit(space)
+                except BaseException:
+                    dropping = [self.held.retire(active)]  # never leased: dropped at once
+                    del active, imported  # nothing may keep them from the collection
+                    await self.held.collect_after([t for t in dropping if t is not None])
+                    raise
+        return active, (now - started) * 1000
+
+    async def _fetch(self, version: Version) -> None:
+        if self.fetch is None:
+            raise loader.LoadError(
+                f"the files of {version.space} v{version.number} are missing from the data"
+                " directory"
+            )
+        try:
+            await self.fetch(version)
+        except ClientError as exc:
+            raise loader.LoadError(exc.error) from exc
