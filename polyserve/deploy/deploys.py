@@ -24,8 +24,9 @@ from polyserve.master import hooks
 from polyserve.names import parse_space
 from polyserve.settings import Settings, scrubbed_environ
 from polyserve.state.broadcast import Broadcast
+from polyserve.state.history import describe
 from polyserve.state.shm import Table
-from polyserve.state.store import Staged, Store, describe
+from polyserve.state.store import Staged, Store
 from polyserve.usage import meter
 
 if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
@@ -196,7 +197,7 @@ class Deploys:
         self, space: str
     ) -> tuple[int | None, list[dict[str, object]], list[dict[str, object]]]:
         version = self.store.current(space)
-        history = self.store.history(space, HISTORY_LIMIT)
+        history = self.store.history.read(space, HISTORY_LIMIT)
         return (version.number if version else None), self.store.versions(space), history
 
     async def _fleet_change(
@@ -239,7 +240,7 @@ class Deploys:
             if slot is None or current is None:
                 return False
             self.broadcast.release(slot)
-            self.store.record(space, "release", current.number, current.number)
+            self.store.history.record(space, "release", current.number, current.number)
         return True
 
     def reactivate(self, space: str, asked: int | None) -> tuple[int, int, dict[str, object]]:

@@ -23,7 +23,7 @@ from psycopg.types.json import Jsonb
 from polyserve.errors import ClientError
 from polyserve.fleet.schema import CHANGE_LOCK, migrate
 from polyserve.names import DEFAULT_POOL
-from polyserve.state.store import describe, rollback_target
+from polyserve.state.history import describe, rollback_target
 from polyserve.usage.meter import BILLED_NAMES
 
 _T = TypeVar("_T")
