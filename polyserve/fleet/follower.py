@@ -1,9 +1,10 @@
 """The master's follower: apply the fleet's changes to this host's data directory, in order.
 
-A change is applied exactly as a local deploy would be — files into place, `current`
-flipped under the store lock, the generation word bumped, the workers signalled — so the
-request path never talks to the database. LISTEN/NOTIFY wakes the follower at once; a
-poll every POLYSERVE_FLEET_POLL_S catches what a host that was not listening missed.
+A change is applied by the one step a local deploy takes (polyserve.state.apply): files
+into place, `current` moved under the store lock, the generation word bumped, what no
+worker holds pruned, the workers signalled. So the request path never talks to the
+database. LISTEN/NOTIFY wakes the follower at once; a poll every POLYSERVE_FLEET_POLL_S
+catches what a host that was not listening missed.
 The last change applied is kept in the data directory and acknowledged in the fleet. A
 change this host cannot apply is skipped and reported, and the next one applied; a fleet
 whose database went back in time is followed from its pointers again.
@@ -31,6 +32,7 @@ import psycopg
 from polyserve.errors import DISK_FULL, ClientError
 from polyserve.fleet.db import Boot, Change, FleetDB, Stored, Totals, Unreachable
 from polyserve.settings import Settings, load
+from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.shm import H_ALIVE, Table, segment_name
 from polyserve.state.store import Staged, Store, Version, write_atomic
@@ -106,10 +108,9 @@ class Follower:
         self.baseline: Totals | None = None
         self.db = FleetDB(settings.database_url, settings.fleet_timeout_s)
         self.applied, self.token = read_mark(store.root / APPLIED)
+        self.changes = Changes(store, broadcast)  # the one step a local deploy takes too
         self.stop = threading.Event()
         self._usage_at = 0.0  # monotonic time of the last usage write
-        # Deleted spaces' slots are handed over as a single host's deploy does.
-        self._reclaim = partial(meter.reclaimable, broadcast.table)
         self._failed: tuple[int, int] = (0, 0)  # (a change id, its failed tries)
         self.skipped: set[str] = set()  # spaces whose last change here was skipped
 
@@ -222,10 +223,10 @@ class Follower:
             else:
                 for change in changes:
                     if not self._apply_or_skip(change):
-                        self.broadcast.announce()
+                        self.changes.announce()
                         return
                     self._applied(change)
-            self.broadcast.announce()
+            self.changes.announce()
             if len(changes) < BATCH:
                 break
 
@@ -284,10 +285,7 @@ class Follower:
         self.db.skip(self.settings.host_id, change, error)
         self.skipped.add(change.space)
         if change.kind == "deploy":
-            with self.store.locked():
-                slot = self.store.delete(change.space)
-                if slot is not None:
-                    self._bump(change.space, slot)
+            self.changes.delete(change.space)
 
     def _apply(self, change: Change) -> None:
         store, space = self.store, change.space
@@ -298,40 +296,35 @@ class Follower:
             stored = self.db.fetch(space, change.version, self.settings.pool)
             if stored is None:
                 return  # gone from the fleet store: a later change supersedes it
+            cap = self.settings.max_unpacked_mb << 20
             while True:
                 staged = None
                 if stored.size is not None:
-                    cap = self.settings.max_unpacked_mb << 20
                     staged = download(self.db, store, space, stored, cap)
                 try:
-                    with store.locked():
-                        if staged is not None:
-                            slot = store.publish(
-                                space, staged, stored.meta, self._reclaim, stored.number
-                            )[0]
-                        elif stored.size is None or store.has_files(
-                            space, stored.number, stored.sha256
-                        ):
-                            slot = store.point(space, stored.number, stored.meta, self._reclaim)
-                        else:
-                            # An old version (a rollback) pruned since it was found on
-                            # disk: fetched again. Once current, nothing prunes it.
-                            continue
-                        self._bump(space, slot)
+                    place = partial(self._place, space, stored, staged)
+                    if self.changes.apply(space, place) is not None:
                         return
+                    # An old version (a rollback) pruned since it was found on disk:
+                    # fetched again. Once current, nothing prunes it.
                 finally:
                     if staged is not None:
                         store.discard(staged)
         elif change.kind == "delete":
-            with store.locked():
-                deleted = store.delete(space)
-                if deleted is not None:
-                    self._bump(space, deleted)
+            self.changes.delete(space)
         elif change.kind == "release":
-            known = store.slots.slot(space)
-            if known is not None:
-                with store.locked():
-                    self.broadcast.release(known)
+            self.changes.release(space)
+
+    def _place(self, space: str, stored: Stored, staged: Staged | None) -> int | None:
+        """Under the store lock, make a fleet version current: with the files just staged,
+        with those on disk, or (another pool's) with none; returns the slot, or None
+        when the files found on disk were pruned meanwhile."""
+        store, reclaim = self.store, self.changes.reclaim
+        if staged is not None:
+            return store.publish(space, staged, stored.meta, reclaim, stored.number)[0]
+        if stored.size is None or store.has_files(space, stored.number, stored.sha256):
+            return store.point(space, stored.number, stored.meta, reclaim)
+        return None
 
     def _take_pointers(self, back: bool = False) -> None:
         """Far behind, or `back` in time: adopt the fleet's current pointers; files come
@@ -354,24 +347,20 @@ class Follower:
                         pointer[0],
                         pointer[1].get("sha256"),
                     ):
-                        slot = store.point(space, *pointer, self._reclaim, sync=False)
+                        slot = store.point(space, *pointer, self.changes.reclaim, sync=False)
                     else:
                         continue
                 except ClientError as exc:  # no slot for it here
                     version = pointer[0] if pointer else None
                     unfit.append((Change(last.id, space, "deploy", version), exc.error))
                 if slot is not None:
-                    self._bump(space, slot)
+                    self.changes.moved(space, slot)
             store.slots.sync()
         log.info("took the fleet's pointers for %d spaces, up to change %d", len(pointers), last.id)
         for change, error in unfit:
             self._skip(change, error)
         self._unskip(set(pointers) - {change.space for change, _ in unfit})
         self._applied(last)
-
-    def _bump(self, space: str, slot: int) -> None:
-        self.broadcast.bump(slot)
-        self.store.prune(space, self.broadcast.oldest_held(slot))
 
     def _applied(self, change: Change) -> None:
         self.applied, self.token = change.id, change.token
