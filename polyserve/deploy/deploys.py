@@ -30,8 +30,8 @@ from polyserve.state.shm import Table
 from polyserve.state.store import Staged, Store
 
 if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
+    from polyserve.fleet.changes import Change
     from polyserve.fleet.client import FleetClient
-    from polyserve.fleet.db import Change
 
 _T = TypeVar("_T")
 HISTORY_LIMIT = 100  # events in a versions answer: the most recent ones

@@ -13,12 +13,16 @@ from __future__ import annotations
 import logging
 from functools import partial
 from pathlib import Path
+from typing import assert_never
 
 import psycopg
 
 from polyserve.errors import ClientError
-from polyserve.fleet.db import Change, FleetDB, Stored, Unreachable
+from polyserve.fleet.changes import Change
+from polyserve.fleet.connection import Unreachable
+from polyserve.fleet.db import FleetDB
 from polyserve.fleet.fetch import download
+from polyserve.fleet.uploads import Stored
 from polyserve.settings import Settings
 from polyserve.state.apply import Changes
 from polyserve.state.store import Staged, write_atomic
@@ -62,7 +66,7 @@ class CatchUp:
                     if not self._apply_or_skip(change):
                         self.changes.announce()
                         return
-                    self._applied(change)
+                    self._applied(change.id, change.token)
             self.changes.announce()
             if len(changes) < BATCH:
                 break
@@ -132,6 +136,8 @@ class CatchUp:
             self.changes.delete(change.space)
         elif change.kind == "release":
             self.changes.release(change.space)
+        else:
+            assert_never(change.kind)
 
     def _deploy(self, space: str, number: int) -> None:
         # Another pool's version comes without its bytes: this host only points at it
@@ -171,6 +177,7 @@ class CatchUp:
         on first use. Going back, the spaces the fleet no longer knows are deleted, and
         local files are kept only where their sha256 is the fleet's."""
         last, pointers = self.db.pointers()
+        last_id = last.id if last is not None else 0
         store = self.store
         unfit: list[tuple[Change, str]] = []
         with store.locked():
@@ -192,19 +199,19 @@ class CatchUp:
                         continue
                 except ClientError as exc:  # no slot for it here
                     version = pointer[0] if pointer else None
-                    unfit.append((Change(last.id, space, "deploy", version), exc.error))
+                    unfit.append((Change(last_id, space, "deploy", version), exc.error))
                 if slot is not None:
                     self.changes.moved(space, slot)
             store.slots.sync()
-        log.info("took the fleet's pointers for %d spaces, up to change %d", len(pointers), last.id)
+        log.info("took the fleet's pointers for %d spaces, up to change %d", len(pointers), last_id)
         for change, error in unfit:
             self._skip(change, error)
         self._unskip(set(pointers) - {change.space for change, _ in unfit})
-        self._applied(last)
+        self._applied(last_id, last.token if last is not None else None)
 
-    def _applied(self, change: Change) -> None:
-        self.applied, self.token = change.id, change.token
-        mark = f"{change.id} {change.token}" if change.token else str(change.id)
+    def _applied(self, change_id: int, token: str | None) -> None:
+        self.applied, self.token = change_id, token
+        mark = f"{change_id} {token}" if token else str(change_id)
         write_atomic(self.store.root / APPLIED, mark.encode())
 
 

@@ -6,7 +6,8 @@ import compileall
 import tempfile
 
 from polyserve.errors import DISK_FULL, ClientError
-from polyserve.fleet.db import FleetDB, Stored
+from polyserve.fleet.db import FleetDB
+from polyserve.fleet.uploads import Stored
 from polyserve.state.store import Staged, Store, Version
 
 

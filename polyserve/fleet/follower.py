@@ -24,7 +24,9 @@ import uuid
 import psycopg
 
 from polyserve.fleet.catchup import CatchUp
-from polyserve.fleet.db import Boot, FleetDB, Totals, Unreachable
+from polyserve.fleet.connection import Unreachable
+from polyserve.fleet.db import FleetDB
+from polyserve.fleet.ledger import Boot, Totals
 from polyserve.settings import Settings, load
 from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
