@@ -126,7 +126,8 @@ def connect(
     """An autocommit connection (libpq reads PG* variables for what the URL leaves out).
 
     Keepalives and a TCP user timeout make a link that silently drops packets fail
-    within seconds, not after the kernel's quarter of an hour of retries. The server
+    within seconds, not after the kernel's long run of retries (bench/NOTES.md, "Figures
+    moved out of code comments"). The server
     ends any statement, lock wait or transaction left idle that outlives `timeout_s`,
     so no call waits on a lock another host's stalled transaction holds. A server that
     stops answering altogether is FleetDB's deadline's to break: nothing in TCP ends it.

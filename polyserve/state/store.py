@@ -83,7 +83,8 @@ class Store(Layout):
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """The store-wide write lock: publishes are rare and each takes milliseconds."""
+        """The store-wide write lock: publishes are rare and short (bench/NOTES.md,
+        "Figures moved out of code comments"), so one lock for the store is enough."""
         with open(self.root / "store.lock", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
