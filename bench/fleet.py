@@ -18,7 +18,8 @@ import harness
 import httpx2
 
 sys.path.insert(0, str(harness.REPO))
-from polyserve.fleet.db import Fit, FleetDB
+from polyserve.fleet.changes import Fit
+from polyserve.fleet.db import FleetDB
 from tests.postgres import PostgresServer, find_bindir
 
 

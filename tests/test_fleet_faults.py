@@ -20,7 +20,9 @@ import httpx2 as httpx
 import psycopg
 import pytest
 
-from polyserve.fleet.db import CHANNEL, Boot, FleetDB
+from polyserve.fleet.connection import CHANNEL
+from polyserve.fleet.db import FleetDB
+from polyserve.fleet.ledger import Boot
 from polyserve.fleet.schema import CHANGE_LOCK
 from tests.helpers import HostProcess, alive, children, until
 from tests.postgres import PostgresServer

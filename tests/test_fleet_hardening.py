@@ -19,7 +19,9 @@ from pathlib import Path
 import httpx2 as httpx
 import psycopg
 
-from polyserve.fleet import db as fleetdb
+from polyserve.fleet.changes import Fit
+from polyserve.fleet.db import FleetDB
+from polyserve.fleet.uploads import CHUNK
 from tests import test_fleet
 from tests.helpers import HostProcess, make_tar, until
 from tests.postgres import PostgresServer
@@ -300,10 +302,10 @@ def test_a_large_fleet_deploy_streams_through_the_receiving_worker_and_the_follo
 
 def test_the_fleet_store_reads_back_what_it_streamed_in(fleet_db):
     """The binary COPY and the sliced read agree byte for byte, across slice edges."""
-    db = fleetdb.FleetDB(fleet_db)
-    data = os.urandom(2 * fleetdb.CHUNK + 12345)
+    db = FleetDB(fleet_db)
+    data = os.urandom(2 * CHUNK + 12345)
     sha = hashlib.sha256(data).hexdigest()
-    change = db.deploy("lee/bytes", io.BytesIO(data), sha, {"pool": "cpu"}, fleetdb.Fit("x", 10, 0))
+    change = db.deploy("lee/bytes", io.BytesIO(data), sha, {"pool": "cpu"}, Fit("x", 10, 0))
     stored = db.fetch("lee/bytes", change.version)
     assert stored is not None and stored.size == len(data) and stored.sha256 == sha
     out = io.BytesIO()

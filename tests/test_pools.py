@@ -20,7 +20,8 @@ from starlette.testclient import TestClient
 from polyserve import settings
 from polyserve.app import create_app
 from polyserve.errors import ClientError
-from polyserve.fleet.db import FleetDB, Unreachable
+from polyserve.fleet.connection import Unreachable
+from polyserve.fleet.db import FleetDB
 from polyserve.fleet.pools import DEMAND_EVERY_S, HOSTS_TTL_S, PoolRouter
 from polyserve.state.store import Store
 from tests.helpers import HostProcess, free_port, make_tar, until

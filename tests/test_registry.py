@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from polyserve import settings
-from polyserve.deploy.deploys import Deploys
 from polyserve.serve import loader
 from polyserve.serve.registry import NoRoom, NotDeployed, OtherPool, Registry
+from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.shm import Table
 from polyserve.state.store import Store
@@ -49,9 +48,7 @@ class World:
         self.registry = Registry(self.store, self.broadcast, self.meter, TTL, 5.0, clock=self.clock)
         # Changes as a deploy makes them, without the signal: tests call refresh() where
         # a signal would arrive.
-        self.deploys = Deploys(
-            settings.load({}), self.store, self.broadcast, self.table, None, lambda: None
-        )
+        self.changes = Changes(self.store, self.broadcast)
 
     async def reap_at(self, now: float) -> list[str]:
         self.clock.now = now
@@ -65,10 +62,10 @@ class World:
         if pool is not None:
             files["polyserve.toml"] = f'pool = "{pool}"\n'
         staged = self.store.stage(io.BytesIO(make_tar(files)), "s.tar", 1 << 20)
-        return self.deploys.publish(space, staged, {"kind": "?", "import_ms": 0})
+        return self.changes.publish(space, staged, {"kind": "?", "import_ms": 0})
 
     def delete(self, space: str) -> None:
-        assert self.deploys.unpublish(space)
+        assert self.changes.delete(space)
 
     async def call(self, space: str):
         active = await self.registry.lease(space)
@@ -380,7 +377,7 @@ def test_a_release_on_demand_drops_the_space_and_the_next_call_imports_it(world,
     async def main():
         await world.call("o/s")
         module = weakref.ref(world.registry.active["o/s"].imported.module)
-        assert world.deploys.request_release("o/s")
+        assert world.changes.release("o/s")
         world.registry.refresh()  # what the broadcast signal does
         assert world.registry.active == {}
         await asyncio.sleep(0)  # the drop
@@ -398,7 +395,7 @@ def test_a_release_reaches_a_worker_that_missed_the_signal(world, monkeypatch):
 
     async def main():
         await world.call("o/s")
-        assert world.deploys.request_release("o/s")
+        assert world.changes.release("o/s")
         # No refresh(): the generation word alone makes the next request import afresh.
         assert await world.call("o/s") == 1
 
@@ -527,7 +524,7 @@ def test_evictions_are_counted_by_reason(capped):
         await capped.call("o/s")
         await capped.reap_at(TTL)  # idle
         await capped.call("o/s")
-        assert capped.deploys.request_release("o/s")
+        assert capped.changes.release("o/s")
         capped.registry.refresh()  # on demand
         capped.clock.now = TTL + 1
         await capped.call("o/s")

@@ -11,7 +11,8 @@ import pytest
 
 from polyserve.errors import ClientError
 from polyserve.names import parse_space
-from polyserve.state.store import Store, rollback_target
+from polyserve.state.history import rollback_target
+from polyserve.state.store import Store
 from tests.helpers import make_tar
 
 KEEP_VERSIONS = 3
@@ -289,9 +290,9 @@ def test_the_history_records_deploys_rollbacks_releases_and_deletes_in_order(sto
         publish(store, "o/s", {"main.py": f"A = {i}\n"})
     assert roll_back(store, "o/s") == (2, 3)
     with store.locked():
-        store.record("o/s", "release", 2, 2)
+        store.history.record("o/s", "release", 2, 2)
         store.delete("o/s")
-    events = [(e["event"], e["version"], e["previous"]) for e in store.history("o/s", 100)]
+    events = [(e["event"], e["version"], e["previous"]) for e in store.history.read("o/s", 100)]
     assert events == [
         ("deploy", 1, None),
         ("deploy", 2, 1),
@@ -300,9 +301,9 @@ def test_the_history_records_deploys_rollbacks_releases_and_deletes_in_order(sto
         ("release", 2, 2),
         ("delete", None, 2),
     ]
-    times = [e["at"] for e in store.history("o/s", 100)]
+    times = [e["at"] for e in store.history.read("o/s", 100)]
     assert times == sorted(times)
-    assert [e["event"] for e in store.history("o/s", 2)] == ["release", "delete"]
+    assert [e["event"] for e in store.history.read("o/s", 2)] == ["release", "delete"]
 
 
 def test_each_version_remembers_what_it_replaced(store):
@@ -375,18 +376,18 @@ def test_a_data_directory_without_history_keeps_the_newest_numbers(store):
 
 
 def test_a_long_history_is_trimmed_and_a_torn_line_is_skipped(store, monkeypatch):
-    import polyserve.state.store as store_mod
+    import polyserve.state.history as history_mod
 
-    monkeypatch.setattr(store_mod, "HISTORY_KEEP", 5)
+    monkeypatch.setattr(history_mod, "HISTORY_KEEP", 5)
     publish(store, "o/s", {"main.py": ""})
     with store.locked():
         for _ in range(200):
-            store.record("o/s", "release", 1, 1)
+            store.history.record("o/s", "release", 1, 1)
     path = store.space_dir("o/s") / "history.jsonl"
     assert len(path.read_bytes().splitlines()) <= 2 * 5 * 200 // 50
     with path.open("ab") as f:
         f.write(b'{"event": "depl')  # a crash mid-append
-    assert store.history("o/s", 3)[-1]["event"] == "release"
+    assert store.history.read("o/s", 3)[-1]["event"] == "release"
 
 
 def test_rollback_target_without_replaced_falls_back_to_the_newest_lower_kept_one():

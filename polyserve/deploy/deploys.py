@@ -2,8 +2,9 @@
 
 Nothing here knows HTTP: the control plane's handlers and tests call these (and read a
 space's versions and history here). Each change happens under the store lock, bumps the
-space's generation word and then signals the other workers, so "after the answer, no
-worker starts a new request on an older version" holds whoever made the change.
+space's generation word and then signals the other workers (polyserve.state.apply, the
+one step a fleet's follower takes too), so "after the answer, no worker starts a new
+request on an older version" holds whoever made the change.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 import anyio
@@ -23,14 +23,15 @@ from polyserve.errors import ClientError
 from polyserve.master import hooks
 from polyserve.names import parse_space
 from polyserve.settings import Settings, scrubbed_environ
+from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
+from polyserve.state.history import describe
 from polyserve.state.shm import Table
-from polyserve.state.store import Staged, Store, describe
-from polyserve.usage import meter
+from polyserve.state.store import Staged, Store
 
 if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
+    from polyserve.fleet.changes import Change
     from polyserve.fleet.client import FleetClient
-    from polyserve.fleet.db import Change
 
 _T = TypeVar("_T")
 HISTORY_LIMIT = 100  # events in a versions answer: the most recent ones
@@ -50,10 +51,10 @@ class Deploys:
     ) -> None:
         self.settings = settings
         self.store = store
-        self.broadcast = broadcast
-        self.table = table
+        # Every local change is the state wing's one step, which reads the table through
+        # the broadcast: `table` is no longer read here.
+        self.changes = Changes(store, broadcast, refresh)
         self.threads = threads  # the host's own threads: no tenant can exhaust them
-        self.refresh = refresh  # this worker's own swap, which no signal reaches
         self.fleet = fleet  # with POLYSERVE_DATABASE_URL: the fleet's database decides
         self.floor = floor  # a worker's memory holding no space, once its registry knows
 
@@ -80,7 +81,7 @@ class Deploys:
             if installed is not None:
                 checked["dependencies"] = installed.answer()
             if self.fleet is None:
-                number = await self._run(self.publish, space, staged, checked)
+                number = await self._run(self.changes.publish, space, staged, checked)
             else:  # validated here; every host (this one too) applies it from the fleet
                 meta = {**checked, "space": space, "sha256": staged.sha256, "size": staged.size}
                 meta |= {"entry": staged.entry, "pool": staged.pool, "upload": filename}
@@ -101,7 +102,7 @@ class Deploys:
             **checked,
         }
         if self.fleet is None:
-            self._announce()
+            self.changes.announce()
             return 200, body
         status, body["hosts"] = await self.fleet.applied(change)
         return status, body
@@ -147,7 +148,7 @@ class Deploys:
         """Unpublish: requests then answer 404; the files go once nobody uses them."""
         if self.fleet is not None:
             return await self._fleet_change(space, self.fleet.db.delete)
-        await self._change(space, self.unpublish)
+        await self._change(space, self.changes.delete)
         return 200, {}
 
     async def release(self, space: str) -> tuple[int, dict[str, object]]:
@@ -155,7 +156,7 @@ class Deploys:
         the next request imports the space afresh."""
         if self.fleet is not None:
             return await self._fleet_change(space, self.fleet.db.release)
-        return 200, {"workers_signalled": await self._change(space, self.request_release)}
+        return 200, {"workers_signalled": await self._change(space, self.changes.release)}
 
     async def rollback(self, space: str, asked: int | None) -> tuple[int, dict[str, object]]:
         """Make a kept version current again (`asked`, or the one the current version
@@ -165,8 +166,8 @@ class Deploys:
             change, previous, meta = await self.fleet.run(self.fleet.db.rollback, space, asked)
             status, hosts = await self.fleet.applied(change)
             return status, {**_rolled_back(space, meta, change.version, previous), "hosts": hosts}
-        number, previous, meta = await self._run(self.reactivate, space, asked)
-        self._announce()
+        number, previous, meta = await self._run(self.changes.rollback, space, asked)
+        self.changes.announce()
         return 200, _rolled_back(space, meta, number, previous)
 
     async def versions(self, space: str) -> dict[str, object]:
@@ -196,7 +197,7 @@ class Deploys:
         self, space: str
     ) -> tuple[int | None, list[dict[str, object]], list[dict[str, object]]]:
         version = self.store.current(space)
-        history = self.store.history(space, HISTORY_LIMIT)
+        history = self.store.history.read(space, HISTORY_LIMIT)
         return (version.number if version else None), self.store.versions(space), history
 
     async def _fleet_change(
@@ -209,60 +210,10 @@ class Deploys:
         status, hosts = await self.fleet.applied(change)
         return status, {"hosts": hosts}
 
-    # -- the changes themselves: synchronous, each under the store lock, not announced ---
-
-    def publish(self, space: str, staged: Staged, checked: dict[str, object]) -> int:
-        """Make a validated stage the space's current version; returns its number."""
-        with self.store.locked():
-            slot, number = self.store.publish(
-                space, staged, checked, reclaim=partial(meter.reclaimable, self.table)
-            )
-            self.broadcast.bump(slot)
-            self.store.prune(space, self.broadcast.oldest_held(slot))
-        return number
-
-    def unpublish(self, space: str) -> bool:
-        """Undeploy; False when the space is not deployed."""
-        with self.store.locked():
-            slot = self.store.delete(space)
-            if slot is None:
-                return False
-            self.broadcast.bump(slot)
-            self.store.prune(space, self.broadcast.oldest_held(slot))
-        return True
-
-    def request_release(self, space: str) -> bool:
-        """Tell every worker to drop its copy; False when the space is not deployed."""
-        with self.store.locked():
-            slot = self.store.slots.slot(space)
-            current = self.store.current(space)
-            if slot is None or current is None:
-                return False
-            self.broadcast.release(slot)
-            self.store.record(space, "release", current.number, current.number)
-        return True
-
-    def reactivate(self, space: str, asked: int | None) -> tuple[int, int, dict[str, object]]:
-        """A rollback on this host: (the version made current, the one before, its
-        metadata). Pruned after the bump, as a deploy is: what a worker holds stays."""
-        with self.store.locked():
-            slot, number, previous, meta = self.store.reactivate(space, asked)
-            self.broadcast.bump(slot)
-            self.store.prune(space, self.broadcast.oldest_held(slot))
-        return number, previous, meta
-
     async def _change(self, space: str, change: Callable[[str], bool]) -> int:
         if not await self._run(change, space):
             raise ClientError(404, f"space {space} is not deployed", space=space)
-        return self._announce()
-
-    def _announce(self) -> int:
-        """After a change: signal the other workers, and refresh this one. Every request
-        reads the generation word, so the contract already holds; the signal only makes
-        workers act before their next request. Returns how many were signalled."""
-        signalled = self.broadcast.announce()
-        self.refresh()
-        return signalled
+        return self.changes.announce()
 
     async def _run(self, func: Callable[..., _T], *args: object) -> _T:
         return await anyio.to_thread.run_sync(func, *args, limiter=self.threads)

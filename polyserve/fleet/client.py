@@ -9,8 +9,11 @@ from typing import Any, BinaryIO, TypeVar
 
 import anyio
 
-from polyserve.fleet.db import Change, Fit, FleetDB, Unreachable, threaded
-from polyserve.fleet.follower import APPLIED, fetch_version, read_applied
+from polyserve.fleet.catchup import APPLIED, read_applied
+from polyserve.fleet.changes import Change, Fit
+from polyserve.fleet.connection import Unreachable, threaded
+from polyserve.fleet.db import FleetDB
+from polyserve.fleet.fetch import fetch_version
 from polyserve.settings import Settings
 from polyserve.state.store import Store, Version
 

@@ -10,7 +10,8 @@ from typing import TypeVar
 
 import anyio
 
-from polyserve.fleet.db import FleetDB, Unreachable, threaded
+from polyserve.fleet.connection import Unreachable, threaded
+from polyserve.fleet.db import FleetDB
 
 _T = TypeVar("_T")
 # A burst of requests for other pools' spaces reads the fleet's hosts once per this many

@@ -1,21 +1,11 @@
-"""The shared directory: stage an upload safely, publish atomically, read versions and history.
+"""The data directory's writes: stage an upload safely, publish it atomically, delete, prune.
 
-Layout under POLYSERVE_DATA_DIR::
-
-    store.lock                      flock held while publishing, deleting or allocating
-    slots.log                       which space owns each slot (polyserve.state.slots)
-    staging/<random>/               one fresh directory per deploy in progress
-    spaces/<owner>/<name>/last      the last version number handed out
-    spaces/<owner>/<name>/current   symlink -> versions/<n>, replaced atomically
-    spaces/<owner>/<name>/versions/<n>/       immutable files of version n
-    spaces/<owner>/<name>/versions/<n>.json   its metadata
-    spaces/<owner>/<name>/history.jsonl       what happened: one JSON event a line
-    logs/<owner>/<name>/            the space's recent log records (polyserve.logs.logstore)
-
-Published version directories are never written again; only ``current`` moves. Each
+Every write but staging holds the store lock. Published version directories are never
+written again; only ``current`` moves (the layout is polyserve.state.layout's). Each
 move of ``current`` (a deploy, a rollback, a delete) and each release appends an event
-to the history, which is also what ranks versions for pruning: the last
-``keep_versions`` versions that were made current stay, whatever their numbers.
+to the space's history (polyserve.state.history), which is also what ranks versions for
+pruning: the last ``keep_versions`` versions that were made current stay, whatever their
+numbers.
 """
 
 from __future__ import annotations
@@ -36,14 +26,14 @@ from typing import BinaryIO
 
 from polyserve.errors import DISK_FULL, ClientError
 from polyserve.names import DEFAULT_POOL
+from polyserve.state.history import Event, History, rollback_target
+from polyserve.state.layout import Layout, current_number, read_int
+from polyserve.state.layout import Version as Version  # re-exported: workers import it here
 from polyserve.state.slots import Reclaim, SlotLog
 from polyserve.state.unpack import unpack_upload
 
 log = logging.getLogger("polyserve")
 DEFAULT_KEEP_VERSIONS = 10  # POLYSERVE_KEEP_VERSIONS
-# Events kept in a space's history file: trimmed to HISTORY_KEEP once it holds twice as
-# many, so a space deployed in a loop costs a bounded file, rewritten once in a while.
-HISTORY_KEEP = 500
 
 
 @dataclass(frozen=True)
@@ -58,42 +48,22 @@ class Staged:
     unpacked: int = 0  # what its tar unpacked to, as POLYSERVE_MAX_UNPACKED_MB counts it
 
 
-@dataclass(frozen=True)
-class Version:
-    """A published version as a worker needs it to import."""
+class Store(Layout):
+    """The data directory, read (Layout) and written: the one way `current` moves."""
 
-    space: str
-    number: int
-    dir: Path
-    entry: str
-    pool: str = DEFAULT_POOL  # in a fleet, only a host of this pool imports it
-    deps: Path | None = None  # its installed dependency set (polyserve/deploy/deps.py), if any
-    # Which upload's files these are: a fleet whose database went back in time hands a
-    # number out again, and a worker holding the old files must then load the new ones.
-    sha256: str | None = None
-
-
-class Store:
     def __init__(
         self,
         data_dir: str | os.PathLike[str],
         max_spaces: int,
         keep_versions: int = DEFAULT_KEEP_VERSIONS,
     ) -> None:
-        self.root = Path(data_dir).resolve()
+        super().__init__(data_dir)
         self.max_spaces = max_spaces
         self.keep_versions = keep_versions
-        self.spaces_dir = self.root / "spaces"
-        self.staging_dir = self.root / "staging"
-        self.logs_dir = self.root / "logs"
         for d in (self.spaces_dir, self.staging_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.slots = SlotLog(self.root / "slots.log", max_spaces)
-
-    def space_dir(self, space: str) -> Path:
-        return self.spaces_dir / space
-
-    # -- staging -----------------------------------------------------------
+        self.history = History(self.spaces_dir, write_atomic)
 
     def stage(self, upload: BinaryIO, filename: str, max_unpacked: int) -> Staged:
         """Unpack an upload (a .py file or a tar) into a fresh directory and find its entry."""
@@ -111,11 +81,10 @@ class Store:
     def discard(self, staged: Staged) -> None:
         shutil.rmtree(staged.dir, ignore_errors=True)
 
-    # -- publishing ----------------------------------------------------------
-
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """The store-wide write lock: publishes are rare and each takes milliseconds."""
+        """The store-wide write lock: publishes are rare and short (bench/NOTES.md,
+        "Figures moved out of code comments"), so one lock for the store is enough."""
         with open(self.root / "store.lock", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
@@ -136,10 +105,10 @@ class Store:
         gave it. Pruning is the caller's: only it knows what is held."""
         sdir = self.space_dir(space)
         if number is None:
-            number = _read_int(sdir / "last") + 1
+            number = read_int(sdir / "last") + 1
         meta = {
             # What this version replaced: a rollback without a number goes back to it.
-            "replaced": _current_number(sdir),
+            "replaced": current_number(sdir),
             **meta,
             "space": space,
             "version": number,
@@ -201,13 +170,13 @@ class Store:
                 self._drop_files(space, number)
             (sdir / "versions").mkdir(parents=True, exist_ok=True)
             write_atomic(sdir / "versions" / f"{number}.json", json.dumps(meta).encode())
-            previous = _current_number(sdir)
-            event = "rollback"
-            if number > _read_int(sdir / "last"):
+            previous = current_number(sdir)
+            event: Event = "rollback"
+            if number > read_int(sdir / "last"):
                 write_atomic(sdir / "last", str(number).encode())
                 event = "deploy"
             _symlink_atomic(f"versions/{number}", sdir / "current")
-            self.record(space, event, number, previous)
+            self.history.record(space, event, number, previous)
         return slot
 
     def reactivate(self, space: str, asked: int | None) -> tuple[int, int, int, dict[str, object]]:
@@ -236,20 +205,13 @@ class Store:
         # Its logs go at once: a redeployed space starts a new log (records its draining
         # requests write meanwhile are dropped: see LogStore.open).
         shutil.rmtree(self.logs_dir / space, ignore_errors=True)
-        previous = _current_number(self.space_dir(space))
+        previous = current_number(self.space_dir(space))
         try:
             os.unlink(self.space_dir(space) / "current")
         except FileNotFoundError:
             return None
-        self.record(space, "delete", None, previous)
+        self.history.record(space, "delete", None, previous)
         return self.slots.slot(space)
-
-    def has_files(self, space: str, number: int, sha256: str) -> bool:
-        """Whether version `number`'s files are on disk, and are those of the upload
-        with this sha256 (as its metadata says)."""
-        known = self.meta(space, number)
-        files = self.space_dir(space) / "versions" / str(number)
-        return known is not None and known.get("sha256") == sha256 and files.is_dir()
 
     def _drop_files(self, space: str, number: int) -> None:
         files = self.space_dir(space) / "versions" / str(number)
@@ -268,189 +230,23 @@ class Store:
         only the oldest number it holds, so everything from there up stays). Hold
         locked()."""
         sdir = self.space_dir(space)
-        current = _current_number(sdir)
+        current = current_number(sdir)
         try:
-            paths = list((sdir / "versions").iterdir())
+            names = [(p.name.removesuffix(".json"), p) for p in (sdir / "versions").iterdir()]
         except FileNotFoundError:
             return
-        found = {int(n) for p in paths if (n := p.name.removesuffix(".json")).isdigit()}
-        keep = set()
+        found = [(int(name), path) for name, path in names if name.isdigit()]
+        keep = {current}
         if current is not None:  # a deleted space keeps only what is held
-            keep = set(self._ranked(space, found)[: self.keep_versions])
-        for path in paths:
-            name = path.name.removesuffix(".json")
-            if not name.isdigit():
-                continue
-            number = int(name)
-            if number in keep or number == current:
-                continue
-            if oldest_held is not None and number >= oldest_held:
+            ranked = self.history.ranked(space, {number for number, _ in found})
+            keep.update(ranked[: self.keep_versions])
+        for number, path in found:
+            if number in keep or (oldest_held is not None and number >= oldest_held):
                 continue
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
-
-    def _ranked(self, space: str, numbers: set[int]) -> list[int]:
-        """`numbers`, the most recently made current first (by the history); those the
-        history no longer names (or never did: a data directory from before it) after
-        them, newest number first."""
-        ranked: list[int] = []
-        for event in reversed(self.history(space, HISTORY_KEEP)):
-            number = event.get("version")
-            activated = event.get("event") in ("deploy", "rollback")
-            if activated and isinstance(number, int) and number in numbers - set(ranked):
-                ranked.append(number)
-        rest = sorted(numbers.difference(ranked), reverse=True)
-        return ranked + rest
-
-    # -- history ---------------------------------------------------------------
-
-    def record(self, space: str, event: str, version: int | None, previous: int | None) -> None:
-        """Append an event to the space's history (`previous`: the version current
-        before it). Hold locked(): one writer at a time, so the trim loses nothing."""
-        path = self.space_dir(space) / "history.jsonl"
-        line = {"event": event, "version": version, "previous": previous, "at": time.time()}
-        try:
-            with open(path, "ab") as f:
-                f.write(json.dumps(line).encode() + b"\n")
-                size = f.tell()
-            # Lines are under 100 bytes: only a long history is read back to be trimmed.
-            if size > HISTORY_KEEP * 200:
-                lines = path.read_bytes().splitlines(keepends=True)
-                if len(lines) > 2 * HISTORY_KEEP:
-                    write_atomic(path, b"".join(lines[-HISTORY_KEEP:]))
-        except OSError as exc:
-            # After the change it records (`current` has moved): failing the change now
-            # would misreport it. A full disk costs a line of history, not the change.
-            log.warning("%s: could not record the %s in its history: %s", space, event, exc)
-
-    def history(self, space: str, limit: int) -> list[dict[str, object]]:
-        """The last `limit` events of the space's history, oldest first."""
-        try:
-            lines = (self.space_dir(space) / "history.jsonl").read_bytes().splitlines()
-        except FileNotFoundError:
-            return []
-        except OSError as exc:  # unreadable: pruning then ranks by number alone
-            log.warning("%s: could not read its history: %s", space, exc)
-            return []
-        events = []
-        for line in lines[-limit:]:
-            with contextlib.suppress(ValueError):  # a line cut by a crash mid-append
-                events.append(json.loads(line))
-        return events
-
-    def kept(self, space: str) -> list[int]:
-        """The numbers of the versions on disk that a rollback may make current."""
-        versions = self.space_dir(space) / "versions"
-        try:
-            names = [p.name for p in versions.iterdir()]
-        except FileNotFoundError:
-            return []
-        return sorted(int(n) for n in names if n.isdigit() and f"{n}.json" in names)
-
-    def versions(self, space: str) -> list[dict[str, object]]:
-        """Each kept version's metadata, oldest first, with `current` marked."""
-        current = _current_number(self.space_dir(space))
-        found = []
-        for number in self.kept(space):
-            meta = self.meta(space, number)
-            if meta is not None:  # pruned since kept() looked
-                found.append(describe(meta, number, current))
-        return found
-
-    # -- reading -------------------------------------------------------------
-
-    def current(self, space: str) -> Version | None:
-        """The published version `current` points at, or None if not deployed."""
-        sdir = self.space_dir(space)
-        number = _current_number(sdir)
-        if number is None:
-            return None
-        meta = self.meta(space, number)
-        if meta is None:  # deleted between the readlink and here
-            return None
-        # Versions published before pools existed say none: they are the default pool's.
-        pool = str(meta.get("pool", DEFAULT_POOL))
-        # The layout is polyserve/deploy/deps.py's (site_dir); not imported, to keep packaging off
-        # the request path.
-        declared = meta.get("dependencies")
-        deps = (
-            self.root / "deps" / "sets" / str(declared["set"]) / "site"
-            if isinstance(declared, dict)
-            else None
-        )
-        files = sdir / "versions" / str(number)
-        sha256 = meta.get("sha256")
-        return Version(
-            space, number, files, str(meta["entry"]), pool, deps, str(sha256) if sha256 else None
-        )
-
-    def meta(self, space: str, number: int) -> dict[str, object] | None:
-        try:
-            return json.loads((self.space_dir(space) / "versions" / f"{number}.json").read_bytes())
-        except FileNotFoundError:
-            return None
-
-    def spaces(self) -> dict[str, dict[str, object]]:
-        """Every deployed space with its current version's metadata."""
-        found: dict[str, dict[str, object]] = {}
-        for current in sorted(self.spaces_dir.glob("*/*/current")):
-            space = f"{current.parent.parent.name}/{current.parent.name}"
-            version = self.current(space)
-            meta = self.meta(space, version.number) if version is not None else None
-            if meta is not None:
-                found[space] = {**meta, "pool": meta.get("pool", DEFAULT_POOL)}
-        return found
-
-
-# -- versions and rollbacks, the same on a host and in a fleet ----------------------
-
-VERSION_FIELDS = ("sha256", "size", "entry", "kind", "import_ms", "deployed_at", "replaced")
-
-
-def describe(meta: dict[str, object], number: int, current: int | None) -> dict[str, object]:
-    """One version as the versions answer lists it."""
-    return {
-        "version": number,
-        **{key: meta.get(key) for key in VERSION_FIELDS},
-        "current": number == current,
-    }
-
-
-def rollback_target(
-    space: str, current: int, meta: dict[str, object], kept: list[int], asked: int | None
-) -> int:
-    """The version a rollback makes current: `asked`, or else the one the current
-    version replaced when it was deployed — so rollbacks without a number walk back
-    through the deploys (v3 -> v2 -> v1) instead of toggling between two versions. A
-    version deployed before `replaced` was recorded falls back to the newest kept one
-    below it. Raises ClientError 404, listing the kept versions, when there is none."""
-    what = f"{space} v{asked}"
-    if asked is None:
-        if "replaced" in meta:
-            replaced = meta["replaced"]
-            asked = replaced if isinstance(replaced, int) else None
-        else:
-            asked = max((n for n in kept if n < current), default=None)
-        if asked is None:
-            raise ClientError(
-                404,
-                f"{space} v{current} replaced no earlier version: name a kept one,"
-                ' {"version": N}',
-                space=space,
-                kept=kept,
-            )
-        what = f"{space} v{asked} (the version v{current} replaced)"
-    if asked not in kept:
-        raise ClientError(
-            404,
-            f"{what} is not kept (pruned, or never deployed): roll back to one of `kept`",
-            space=space,
-            version=asked,
-            kept=kept,
-        )
-    return asked
 
 
 # -- helpers -------------------------------------------------------------------
@@ -465,21 +261,6 @@ def _hash(upload: BinaryIO) -> tuple[str, int]:
         size += len(chunk)
     upload.seek(0)
     return h.hexdigest(), size
-
-
-def _current_number(sdir: Path) -> int | None:
-    try:
-        return int(os.readlink(sdir / "current").rsplit("/", 1)[1])
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-def _read_int(path: Path) -> int:
-    """A number kept in a file; 0 when the file does not exist yet."""
-    try:
-        return int(path.read_text())
-    except FileNotFoundError:
-        return 0
 
 
 def write_atomic(path: Path, data: bytes) -> None:

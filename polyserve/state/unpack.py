@@ -148,8 +148,9 @@ class _CheckedInfo(tarfile.TarInfo):
     """Headers whose data tarfile would read whole are checked before it does.
 
     _proc_member is the hook tarfile documents for subclasses. The _proc_gnusparse_*
-    methods are overridden too: a pax sparse map becomes a Python list of ints (about 8x
-    its bytes) bounded only by the stream, and no space needs a sparse file.
+    methods are overridden too: a pax sparse map becomes a Python list of ints, several
+    times its bytes (bench/NOTES.md, "Figures moved out of code comments"), bounded only
+    by the stream, and no space needs a sparse file.
     """
 
     def _proc_member(self, tar: _BoundedTarFile) -> tarfile.TarInfo:

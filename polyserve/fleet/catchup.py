@@ -1,0 +1,229 @@
+"""The follower's catch-up: apply the fleet's changes to this host in order, or skip them.
+
+A change is applied by the state wing's one step (polyserve.state.apply), exactly as a
+local deploy is: files into place, `current` moved under the store lock, the generation
+word bumped, what no worker holds pruned, the workers signalled. The last change
+applied is kept in the data directory (APPLIED) for the heartbeat to acknowledge. A
+change this host cannot apply is skipped and reported, and the next one applied; a
+fleet whose database went back in time is followed from its pointers again.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from pathlib import Path
+from typing import assert_never
+
+import psycopg
+
+from polyserve.errors import ClientError
+from polyserve.fleet.changes import Change
+from polyserve.fleet.connection import Unreachable
+from polyserve.fleet.db import FleetDB
+from polyserve.fleet.fetch import download
+from polyserve.fleet.uploads import Stored
+from polyserve.settings import Settings
+from polyserve.state.apply import Changes
+from polyserve.state.store import Staged, write_atomic
+
+log = logging.getLogger("polyserve")
+APPLIED = "fleet.applied"  # in the data directory: the last change applied here
+BATCH = 1000
+# A host further behind than this (joining a fleet with a history, a long partition)
+# takes the fleet's pointers and fetches each version's files on first use instead of
+# replaying every change; closer, it applies each change with its files.
+EAGER_LIMIT = 20
+# Tries of a change that failed in a way that may pass (a full table or disk, a local
+# error) before this host skips it; one it can never apply (too large, a bad upload) is
+# skipped at once. Between tries the follower heartbeats and waits a poll interval.
+ATTEMPTS = 3
+
+
+class CatchUp:
+    """What this host applied of the fleet's change log, and the applying itself."""
+
+    def __init__(self, settings: Settings, db: FleetDB, changes: Changes) -> None:
+        self.settings = settings
+        self.db = db
+        self.changes = changes
+        self.store = changes.store
+        self.applied, self.token = read_mark(self.store.root / APPLIED)
+        self._failed: tuple[int, int] = (0, 0)  # (a change id, its failed tries)
+        self.skipped: set[str] = set()  # spaces whose last change here was skipped
+
+    def catch_up(self) -> None:
+        """Apply every change after the last one applied here, in order (from the fleet's
+        pointers when far behind, or when the fleet went back in time). A change that
+        failed in a way that may pass is left for the next poll."""
+        if self._went_back():
+            self._take_pointers(back=True)
+        while changes := self.db.changes_since(self.applied, BATCH):
+            if len(changes) > EAGER_LIMIT:
+                self._take_pointers()
+            else:
+                for change in changes:
+                    if not self._apply_or_skip(change):
+                        self.changes.announce()
+                        return
+                    self._applied(change.id, change.token)
+            self.changes.announce()
+            if len(changes) < BATCH:
+                break
+
+    def _went_back(self) -> bool:
+        """Whether the fleet's change of the id applied here is not the one applied (a
+        restore, a failover to a lagging replica): its last change is below it, or the
+        id was handed out again. The fleet is the truth, even an older one."""
+        if not self.applied:
+            return False
+        token = self.db.token(self.applied)
+        if token is not None and (self.token is None or token == self.token):
+            self.token = token  # applied before changes had tokens: taken as it is
+            return False
+        log.warning(
+            "the fleet's database went back in time: change %d is %s; following its pointers again",
+            self.applied,
+            "gone" if token is None else "another one than the one applied here",
+        )
+        return True
+
+    def _apply_or_skip(self, change: Change) -> bool:
+        """Apply a change, or skip it: False to try it again at the next poll."""
+        try:
+            self._apply(change)
+        except (Unreachable, psycopg.Error):
+            raise  # the database's trouble, not the change's: retried until it is back
+        except Exception as exc:
+            again = not isinstance(exc, ClientError) or exc.status == 507
+            tries = self._failed[1] + 1 if self._failed[0] == change.id else 1
+            self._failed = (change.id, tries)
+            error = exc.error if isinstance(exc, ClientError) else f"{type(exc).__name__}: {exc}"
+            if again and tries < ATTEMPTS:
+                log.warning("change %d (%s), try %d: %s", change.id, change.space, tries, error)
+                return False
+            if not isinstance(exc, ClientError):
+                log.exception("change %d (%s) failed", change.id, change.space)
+            self._skip(change, error)
+            return True
+        self._unskip({change.space})
+        return True
+
+    def _unskip(self, spaces: set[str]) -> None:
+        """Spaces whose fleet state this host now has: what it skipped of them is past."""
+        for space in spaces & self.skipped:
+            self.db.unskip(self.settings.host_id, space)
+            self.skipped.discard(space)
+
+    def _skip(self, change: Change, error: str) -> None:
+        """Report a change this host cannot apply, and stop serving what it replaced: a
+        host never answers with an older version than the fleet's."""
+        log.error(
+            "skipped change %d (%s of %s v%s): %s; this host does not serve %s until a later"
+            " change of it applies here",
+            change.id, change.kind, change.space, change.version, error, change.space,
+        )  # fmt: skip
+        self.db.skip(self.settings.host_id, change, error)
+        self.skipped.add(change.space)
+        if change.kind == "deploy":
+            self.changes.delete(change.space)
+
+    def _apply(self, change: Change) -> None:
+        if change.kind == "deploy":
+            if change.version is not None:
+                self._deploy(change.space, change.version)
+        elif change.kind == "delete":
+            self.changes.delete(change.space)
+        elif change.kind == "release":
+            self.changes.release(change.space)
+        else:
+            assert_never(change.kind)
+
+    def _deploy(self, space: str, number: int) -> None:
+        # Another pool's version comes without its bytes: this host only points at it
+        # (its workers redirect its requests), and fetches its files on first use should
+        # it ever serve it (restarted in that pool).
+        stored = self.db.fetch(space, number, self.settings.pool)
+        if stored is None:
+            return  # gone from the fleet store: a later change supersedes it
+        cap = self.settings.max_unpacked_mb << 20
+        while True:
+            staged = None
+            if stored.size is not None:
+                staged = download(self.db, self.store, space, stored, cap)
+            try:
+                place = partial(self._place, space, stored, staged)
+                if self.changes.apply(space, place) is not None:
+                    return
+                # An old version (a rollback) pruned since it was found on disk: fetched
+                # again. Once current, nothing prunes it.
+            finally:
+                if staged is not None:
+                    self.store.discard(staged)
+
+    def _place(self, space: str, stored: Stored, staged: Staged | None) -> int | None:
+        """Under the store lock, make a fleet version current: with the files just staged,
+        with those on disk, or (another pool's) with none; returns the slot, or None
+        when the files found on disk were pruned meanwhile."""
+        store, reclaim = self.store, self.changes.reclaim
+        if staged is not None:
+            return store.publish(space, staged, stored.meta, reclaim, stored.number)[0]
+        if stored.size is None or store.has_files(space, stored.number, stored.sha256):
+            return store.point(space, stored.number, stored.meta, reclaim)
+        return None
+
+    def _take_pointers(self, back: bool = False) -> None:
+        """Far behind, or `back` in time: adopt the fleet's current pointers; files come
+        on first use. Going back, the spaces the fleet no longer knows are deleted, and
+        local files are kept only where their sha256 is the fleet's."""
+        last, pointers = self.db.pointers()
+        last_id = last.id if last is not None else 0
+        store = self.store
+        unfit: list[tuple[Change, str]] = []
+        with store.locked():
+            if back:
+                for space in set(store.spaces()) - set(pointers):
+                    pointers[space] = None
+            for space, pointer in pointers.items():
+                local = store.current(space)
+                slot: int | None = None
+                try:
+                    if pointer is None:
+                        slot = store.delete(space) if local is not None else None
+                    elif local is None or (local.number, local.sha256) != (
+                        pointer[0],
+                        pointer[1].get("sha256"),
+                    ):
+                        slot = store.point(space, *pointer, self.changes.reclaim, sync=False)
+                    else:
+                        continue
+                except ClientError as exc:  # no slot for it here
+                    version = pointer[0] if pointer else None
+                    unfit.append((Change(last_id, space, "deploy", version), exc.error))
+                if slot is not None:
+                    self.changes.moved(space, slot)
+            store.slots.sync()
+        log.info("took the fleet's pointers for %d spaces, up to change %d", len(pointers), last_id)
+        for change, error in unfit:
+            self._skip(change, error)
+        self._unskip(set(pointers) - {change.space for change, _ in unfit})
+        self._applied(last_id, last.token if last is not None else None)
+
+    def _applied(self, change_id: int, token: str | None) -> None:
+        self.applied, self.token = change_id, token
+        mark = f"{change_id} {token}" if token else str(change_id)
+        write_atomic(self.store.root / APPLIED, mark.encode())
+
+
+def read_applied(path: Path) -> int:
+    """The last change applied here (0: none)."""
+    return read_mark(path)[0]
+
+
+def read_mark(path: Path) -> tuple[int, str | None]:
+    """(The last change applied here, its token: None when it had none)."""
+    try:
+        number, *token = path.read_text().split()
+        return int(number), (token[0] if token else None)
+    except (FileNotFoundError, ValueError):
+        return 0, None

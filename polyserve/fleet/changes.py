@@ -1,0 +1,260 @@
+"""The fleet's change log: commit a deploy, a rollback, a delete or a release; read changes back."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Literal
+
+import psycopg
+
+from polyserve.errors import ClientError
+from polyserve.fleet.connection import CHANNEL, Connection
+from polyserve.fleet.hosts import LIVE
+from polyserve.fleet.schema import CHANGE_LOCK
+from polyserve.fleet.uploads import copy_version
+from polyserve.state.history import describe, rollback_target
+
+# What a change does, as the change log's CHECK constraint says (a rollback is a deploy
+# of an older number).
+ChangeKind = Literal["deploy", "delete", "release"]
+
+
+@dataclass(frozen=True)
+class Change:
+    """One entry of the fleet's change log."""
+
+    id: int
+    space: str
+    kind: ChangeKind
+    version: int | None
+    token: str | None = None  # random at its commit: tells this change from a reused id
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What a deploy must fit before it is committed: every live host's limits (and the
+    receiving host's, live or not), as that host would check the upload itself."""
+
+    host: str  # the receiving host
+    live_s: float  # POLYSERVE_FLEET_LIVE_S
+    unpacked: int  # what the upload unpacks to, as the unpacked cap counts it
+
+
+class ChangeLog(Connection):
+    """Commits to the change log, each under CHANGE_LOCK, and its reads."""
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[psycopg.Connection]:
+        """A transaction that may append to the change log: it holds CHANGE_LOCK, so
+        change ids commit in the order they are assigned and no follower skips one."""
+        with self.session() as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (CHANGE_LOCK,))
+            yield conn
+
+    def deploy(
+        self, space: str, upload: BinaryIO, sha256: str, meta: dict[str, Any], fit: Fit
+    ) -> Change:
+        """Store a version under the space's next number, make it current, log the change.
+        The upload is streamed from its file, never read whole. Refused (ClientError 507
+        or 413, nothing committed) when a live host could not apply it."""
+        size = upload.seek(0, 2)
+        with self._changing() as conn:
+            _refuse_unfit(conn, space, size, fit)
+            conn.execute(
+                "INSERT INTO polyserve_spaces (name) VALUES (%s) ON CONFLICT DO NOTHING", (space,)
+            )
+            # What this version replaces: a rollback without a number goes back to it.
+            before = conn.execute(
+                "SELECT current_version FROM polyserve_spaces WHERE name = %s", (space,)
+            ).fetchone()
+            row = conn.execute(
+                "UPDATE polyserve_spaces SET last_version = last_version + 1,"
+                " current_version = last_version + 1 WHERE name = %s RETURNING last_version",
+                (space,),
+            ).fetchone()
+            assert row is not None
+            number = row[0]
+            meta = {**meta, "version": number, "replaced": before[0] if before else None}
+            copy_version(conn, (space, number, sha256, meta), upload, size)
+            return _log(conn, space, "deploy", number)
+
+    def rollback(self, space: str, asked: int | None) -> tuple[Change, int, dict[str, Any]]:
+        """Make a stored version current again, logged as a deploy of that (older)
+        number: every follower applies it as it applies a deploy, fetching the bytes
+        it no longer has. Returns (the change, the version it replaced, its metadata);
+        ClientError 404 when the space is not deployed or the fleet stores no such
+        version (the error lists the stored ones)."""
+        with self._changing() as conn:
+            row = conn.execute(
+                "SELECT s.current_version, v.meta FROM polyserve_spaces s"
+                " JOIN polyserve_versions v ON v.space = s.name AND v.number = s.current_version"
+                " WHERE s.name = %s",
+                (space,),
+            ).fetchone()
+            if row is None:
+                raise ClientError(
+                    404, f"space {space} is not deployed: deploy it, then roll back", space=space
+                )
+            current, current_meta = row
+            stored = conn.execute(
+                "SELECT number, meta FROM polyserve_versions WHERE space = %s ORDER BY number",
+                (space,),
+            ).fetchall()
+            metas = dict(stored)
+            number = rollback_target(space, current, current_meta, list(metas), asked)
+            conn.execute(
+                "UPDATE polyserve_spaces SET current_version = %s WHERE name = %s",
+                (number, space),
+            )
+            return _log(conn, space, "deploy", number), current, metas[number]
+
+    def versions(
+        self, space: str, limit: int
+    ) -> tuple[int | None, list[dict[str, Any]], list[dict[str, Any]]]:
+        """(The current version, every stored version's metadata, the last `limit`
+        events of the space's history) as the fleet has them, in one snapshot. The
+        history is the change log: a deploy of a number deployed before is a rollback."""
+        with self.session() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            row = conn.execute(
+                "SELECT current_version FROM polyserve_spaces WHERE name = %s", (space,)
+            ).fetchone()
+            current = row[0] if row else None
+            stored = conn.execute(
+                "SELECT number, meta FROM polyserve_versions WHERE space = %s ORDER BY number",
+                (space,),
+            ).fetchall()
+            changes = conn.execute(
+                "SELECT kind, version, extract(epoch FROM at)::float8 FROM polyserve_changes"
+                " WHERE space = %s ORDER BY id",
+                (space,),
+            ).fetchall()
+        versions = [describe(meta, number, current) for number, meta in stored]
+        history: list[dict[str, Any]] = []
+        deployed: set[int] = set()
+        now: int | None = None  # the version current after each change, replayed
+        for kind, number, at in changes:
+            event = kind
+            if kind == "deploy":
+                event = "rollback" if number in deployed else "deploy"
+                deployed.add(number)
+            history.append({"event": event, "version": number, "previous": now, "at": at})
+            now = None if kind == "delete" else number
+        return current, versions, history[-limit:]
+
+    def delete(self, space: str) -> Change | None:
+        """Undeploy everywhere; None when the space is not deployed."""
+        with self._changing() as conn:
+            row = conn.execute(
+                "UPDATE polyserve_spaces SET current_version = NULL"
+                " WHERE name = %s AND current_version IS NOT NULL RETURNING name",
+                (space,),
+            ).fetchone()
+            return None if row is None else _log(conn, space, "delete", None)
+
+    def release(self, space: str) -> Change | None:
+        """Release everywhere (each host's workers import it afresh); None when the
+        space is not deployed."""
+        with self._changing() as conn:
+            row = conn.execute(
+                "SELECT current_version FROM polyserve_spaces"
+                " WHERE name = %s AND current_version IS NOT NULL",
+                (space,),
+            ).fetchone()
+            return None if row is None else _log(conn, space, "release", row[0])
+
+    def changes_since(self, after: int, limit: int) -> list[Change]:
+        with self.session() as conn:
+            rows = conn.execute(
+                "SELECT id, space, kind, version, token::text FROM polyserve_changes"
+                " WHERE id > %s ORDER BY id LIMIT %s",
+                (after, limit),
+            ).fetchall()
+        return [Change(*row) for row in rows]
+
+    def token(self, change_id: int) -> str | None:
+        """The token of the change with this id; None when the fleet has none (its
+        database went back to before it)."""
+        with self.session() as conn:
+            row = conn.execute(
+                "SELECT token::text FROM polyserve_changes WHERE id = %s", (change_id,)
+            ).fetchone()
+        return row[0] if row else None
+
+    def pointers(self) -> tuple[Change | None, dict[str, tuple[int, dict[str, Any]] | None]]:
+        """What a joining host needs: the last change (None for none), and each space's
+        current version with its metadata (None: deleted), read in one snapshot; no
+        upload bytes."""
+        with self.session() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            last = conn.execute(
+                "SELECT id, space, kind, version, token::text FROM polyserve_changes"
+                " ORDER BY id DESC LIMIT 1"
+            ).fetchone()
+            rows = conn.execute(
+                "SELECT s.name, s.current_version, v.meta FROM polyserve_spaces s"
+                " LEFT JOIN polyserve_versions v"
+                " ON v.space = s.name AND v.number = s.current_version"
+            ).fetchall()
+        pointers = {name: None if n is None else (n, meta) for name, n, meta in rows}
+        return (Change(*last) if last else None), pointers
+
+    def last_change(self) -> int:
+        with self.session() as conn:
+            row = conn.execute("SELECT coalesce(max(id), 0) FROM polyserve_changes").fetchone()
+        return row[0] if row else 0
+
+
+def _refuse_unfit(conn: psycopg.Connection, space: str, size: int, fit: Fit) -> None:
+    """ClientError when a live host (or the receiving one) could not apply this deploy:
+    its table would hold more spaces than its slots, or the upload is larger than its
+    caps. Refused before the commit, the fleet never has a change a host cannot take."""
+    hosts = conn.execute(
+        f"SELECT id, max_spaces, max_upload_mb, max_unpacked_mb FROM polyserve_hosts"
+        f" WHERE left_at IS NULL AND ({LIVE} OR id = %s) ORDER BY id",
+        (fit.live_s, fit.host),
+    ).fetchall()
+    row = conn.execute(
+        "SELECT count(*) FROM polyserve_spaces WHERE current_version IS NOT NULL AND name <> %s",
+        (space,),
+    ).fetchone()
+    spaces = (row[0] if row else 0) + 1
+
+    def over(column: int, amount: int, unit: int) -> list[tuple[str, int]]:
+        """The hosts whose limit in `column` (in `unit`s) is below `amount`, and it."""
+        limits = [(h[0], h[column]) for h in hosts if h[column] is not None]
+        return [(host, limit) for host, limit in limits if amount > limit * unit]
+
+    mib = 1 << 20
+    refusals = (
+        (507, over(1, spaces, 1), "space table is full on host {} (POLYSERVE_MAX_SPACES={}),"
+            f" and this deploy would make {spaces} spaces deployed in the fleet: raise it on"
+            " every host, or delete a space"),
+        (413, over(2, size, mib), f"the upload is {size / mib:.1f} MiB, more than host {{}}"
+            " takes (POLYSERVE_MAX_UPLOAD_MB={}): raise it there, or make the space smaller"),
+        (413, over(3, fit.unpacked, mib), f"the upload unpacks to {fit.unpacked / mib:.1f} MiB,"
+            " more than host {} takes (POLYSERVE_MAX_UNPACKED_MB={}): raise it there, or make"
+            " the space smaller"),
+    )  # fmt: skip
+    for status, unfit, error in refusals:
+        if unfit:
+            hosts_unfit = [h for h, _ in unfit]
+            raise ClientError(status, error.format(*unfit[0]), space=space, hosts=hosts_unfit)
+
+
+def _log(conn: psycopg.Connection, space: str, kind: ChangeKind, version: int | None) -> Change:
+    """Append a change under CHANGE_LOCK (held by the caller's transaction) and notify."""
+    row = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM polyserve_changes").fetchone()
+    assert row is not None
+    token = conn.execute(
+        "INSERT INTO polyserve_changes (id, space, kind, version) VALUES (%s, %s, %s, %s)"
+        " RETURNING token::text",
+        (row[0], space, kind, version),
+    ).fetchone()
+    change = Change(row[0], space, kind, version, token[0] if token else None)
+    # Delivered at commit, to every host listening then; the others poll.
+    conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, json.dumps(change.id)))
+    return change

@@ -1,0 +1,87 @@
+"""The one step that changes what a space serves, for a local deploy and the fleet's follower.
+
+Under the store lock the step moves `current` (a publish, a rollback, a pointer from the
+fleet, a delete), bumps the space's generation word and prunes what no worker holds;
+then `announce` signals the other workers. Every request reads the generation word, so
+once a change returns, no worker starts a request on an older version: the signal only
+makes workers act before their next request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+from polyserve.state.broadcast import Broadcast
+from polyserve.state.store import Staged, Store
+from polyserve.usage import meter
+
+
+class Changes:
+    """One process's way to change a space: the store, the table's words and the signal."""
+
+    def __init__(
+        self, store: Store, broadcast: Broadcast, refresh: Callable[[], None] = lambda: None
+    ) -> None:
+        self.store = store
+        self.broadcast = broadcast
+        self.refresh = refresh  # this worker's own swap, which no signal reaches
+        # A deleted space's slot is handed over once its cells are reclaimable.
+        self.reclaim = partial(meter.reclaimable, broadcast.table)
+
+    def apply(self, space: str, move: Callable[[], int | None]) -> int | None:
+        """Under the store lock, `move` moves the space's `current` and returns its slot
+        (None: nothing moved); then the bump and the prune. Returns what `move` did."""
+        with self.store.locked():
+            slot = move()
+            if slot is not None:
+                self.moved(space, slot)
+        return slot
+
+    def moved(self, space: str, slot: int) -> None:
+        """After `current` moved, the lock still held: bump the space's generation, so
+        every worker's next request sees the change, and prune what no worker holds
+        (after the bump, so what a worker holds stays)."""
+        self.broadcast.bump(slot)
+        self.store.prune(space, self.broadcast.oldest_held(slot))
+
+    def publish(
+        self, space: str, staged: Staged, meta: dict[str, object], number: int | None = None
+    ) -> int:
+        """Make a validated stage the space's current version; returns its number (the
+        space's next one, or the one a fleet gave it)."""
+        with self.store.locked():
+            slot, number = self.store.publish(space, staged, meta, self.reclaim, number)
+            self.moved(space, slot)
+        return number
+
+    def delete(self, space: str) -> bool:
+        """Undeploy; False when the space is not deployed."""
+        return self.apply(space, partial(self.store.delete, space)) is not None
+
+    def rollback(self, space: str, asked: int | None) -> tuple[int, int, dict[str, object]]:
+        """Make a kept version current again: (the version made current, the one before,
+        its metadata)."""
+        with self.store.locked():
+            slot, number, previous, meta = self.store.reactivate(space, asked)
+            self.moved(space, slot)
+        return number, previous, meta
+
+    def release(self, space: str) -> bool:
+        """Tell every worker to drop its copy, so the next request imports the space
+        afresh; False when the space is not deployed."""
+        with self.store.locked():
+            slot = self.store.slots.slot(space)
+            current = self.store.current(space)
+            if slot is None or current is None:
+                return False
+            self.broadcast.release(slot)
+            self.store.history.record(space, "release", current.number, current.number)
+        return True
+
+    def announce(self) -> int:
+        """After changes: signal the other workers, and refresh this one. Returns how
+        many were signalled."""
+        signalled = self.broadcast.announce()
+        self.refresh()
+        return signalled

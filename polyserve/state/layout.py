@@ -1,0 +1,139 @@
+"""The data directory's layout, and the reads every process makes of it (current, metadata).
+
+Layout under POLYSERVE_DATA_DIR::
+
+    store.lock                      flock held while publishing, deleting or allocating
+    slots.log                       which space owns each slot (polyserve.state.slots)
+    staging/<random>/               one fresh directory per deploy in progress
+    spaces/<owner>/<name>/last      the last version number handed out
+    spaces/<owner>/<name>/current   symlink -> versions/<n>, replaced atomically
+    spaces/<owner>/<name>/versions/<n>/       immutable files of version n
+    spaces/<owner>/<name>/versions/<n>.json   its metadata
+    spaces/<owner>/<name>/history.jsonl       what happened (polyserve.state.history)
+    logs/<owner>/<name>/            the space's recent log records (polyserve.logs.logstore)
+
+Published version directories are never written again; only ``current`` moves
+(polyserve.state.store writes, under the lock).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from polyserve.names import DEFAULT_POOL
+from polyserve.state.history import describe
+
+
+@dataclass(frozen=True)
+class Version:
+    """A published version as a worker needs it to import."""
+
+    space: str
+    number: int
+    dir: Path
+    entry: str
+    pool: str = DEFAULT_POOL  # in a fleet, only a host of this pool imports it
+    deps: Path | None = None  # its installed dependency set (polyserve/deploy/deps.py), if any
+    # Which upload's files these are: a fleet whose database went back in time hands a
+    # number out again, and a worker holding the old files must then load the new ones.
+    sha256: str | None = None
+
+
+class Layout:
+    """Where a data directory keeps each space's versions, and what they say."""
+
+    def __init__(self, data_dir: str | os.PathLike[str]) -> None:
+        self.root = Path(data_dir).resolve()
+        self.spaces_dir = self.root / "spaces"
+        self.staging_dir = self.root / "staging"
+        self.logs_dir = self.root / "logs"
+
+    def space_dir(self, space: str) -> Path:
+        return self.spaces_dir / space
+
+    def current(self, space: str) -> Version | None:
+        """The published version `current` points at, or None if not deployed."""
+        sdir = self.space_dir(space)
+        number = current_number(sdir)
+        if number is None:
+            return None
+        meta = self.meta(space, number)
+        if meta is None:  # deleted between the readlink and here
+            return None
+        # Versions published before pools existed say none: they are the default pool's.
+        pool = str(meta.get("pool", DEFAULT_POOL))
+        # The layout is polyserve/deploy/deps.py's (site_dir); not imported, to keep packaging off
+        # the request path.
+        declared = meta.get("dependencies")
+        deps = (
+            self.root / "deps" / "sets" / str(declared["set"]) / "site"
+            if isinstance(declared, dict)
+            else None
+        )
+        files = sdir / "versions" / str(number)
+        sha256 = meta.get("sha256")
+        return Version(
+            space, number, files, str(meta["entry"]), pool, deps, str(sha256) if sha256 else None
+        )
+
+    def meta(self, space: str, number: int) -> dict[str, object] | None:
+        try:
+            return json.loads((self.space_dir(space) / "versions" / f"{number}.json").read_bytes())
+        except FileNotFoundError:
+            return None
+
+    def has_files(self, space: str, number: int, sha256: str) -> bool:
+        """Whether version `number`'s files are on disk, and are those of the upload
+        with this sha256 (as its metadata says)."""
+        known = self.meta(space, number)
+        files = self.space_dir(space) / "versions" / str(number)
+        return known is not None and known.get("sha256") == sha256 and files.is_dir()
+
+    def spaces(self) -> dict[str, dict[str, object]]:
+        """Every deployed space with its current version's metadata."""
+        found: dict[str, dict[str, object]] = {}
+        for current in sorted(self.spaces_dir.glob("*/*/current")):
+            space = f"{current.parent.parent.name}/{current.parent.name}"
+            version = self.current(space)
+            meta = self.meta(space, version.number) if version is not None else None
+            if meta is not None:
+                found[space] = {**meta, "pool": meta.get("pool", DEFAULT_POOL)}
+        return found
+
+    def kept(self, space: str) -> list[int]:
+        """The numbers of the versions on disk that a rollback may make current."""
+        versions = self.space_dir(space) / "versions"
+        try:
+            names = [p.name for p in versions.iterdir()]
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit() and f"{n}.json" in names)
+
+    def versions(self, space: str) -> list[dict[str, object]]:
+        """Each kept version's metadata, oldest first, with `current` marked."""
+        current = current_number(self.space_dir(space))
+        found = []
+        for number in self.kept(space):
+            meta = self.meta(space, number)
+            if meta is not None:  # pruned since kept() looked
+                found.append(describe(meta, number, current))
+        return found
+
+
+def current_number(sdir: Path) -> int | None:
+    """The number of the version a space directory's `current` points at."""
+    try:
+        return int(os.readlink(sdir / "current").rsplit("/", 1)[1])
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def read_int(path: Path) -> int:
+    """A number kept in a file; 0 when the file does not exist yet."""
+    try:
+        return int(path.read_text())
+    except FileNotFoundError:
+        return 0
