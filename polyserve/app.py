@@ -30,12 +30,12 @@ from polyserve.deploy.deploys import Deploys, rollback_request
 from polyserve.errors import ClientError
 from polyserve.logs import spacelog
 from polyserve.logs.logstore import LogStore
-from polyserve.master import hooks
 from polyserve.serve import warmup
 from polyserve.serve.deadlines import Deadlines
 from polyserve.serve.dispatch import Dispatch, answer
 from polyserve.serve.inference import InferenceRoutes
 from polyserve.serve.spaces import Registry
+from polyserve.state import handoff
 from polyserve.state.broadcast import SIGNAL, Broadcast
 from polyserve.state.shm import Table
 from polyserve.state.store import Store
@@ -71,8 +71,11 @@ async def running_host(
     s = settings
     store = Store(s.data_dir, s.max_spaces, s.keep_versions)
     # Without the gunicorn master (in-process tests), a private one-row table.
-    inherited = hooks.inherited()
-    table, row = inherited or (Table.anonymous(1, s.max_spaces, CELLS), 0)
+    inherited = handoff.received()
+    if inherited is not None:
+        table, row = inherited.table, inherited.row
+    else:
+        table, row = Table.anonymous(1, s.max_spaces, CELLS), 0
     logs = LogStore(store.logs_dir, s.log_kb << 10)
     # Host work (imports, staging, publishing) gets threads of its own, which no tenant
     # can exhaust: sync handle()s have per-space limiters, and tenants' ASGI apps share
@@ -120,7 +123,15 @@ async def running_host(
         registry=registry,
         dispatch=Dispatch(registry, usage, deadlines, pools, s.max_infer_mb << 20),
         deploys=Deploys(
-            s, store, broadcast, table, threads, registry.refresh, fleet, registry.floor
+            s,
+            store,
+            broadcast,
+            table,
+            threads,
+            registry.refresh,
+            fleet,
+            registry.floor,
+            forkserver=inherited.forkserver if inherited is not None else None,
         ),
         logs=logs,
     )
