@@ -1,4 +1,4 @@
-"""A worker's objects, built in one place: store, table, registry, dispatch, deploys, logs.
+"""A worker's objects, built in one place: store, table, registry, dispatch, deploys, usage.
 
 `running_host` builds them at the ASGI lifespan's startup, from the settings and what
 the master handed this worker (polyserve/state/handoff.py), starts their background
@@ -28,6 +28,7 @@ from polyserve.state import handoff
 from polyserve.state.broadcast import SIGNAL, Broadcast
 from polyserve.state.shm import Table
 from polyserve.state.store import Store
+from polyserve.usage.answer import Usage
 from polyserve.usage.meter import CELLS, Meter
 
 HOST_THREADS = 8  # concurrent imports, stagings and publishes per worker
@@ -45,6 +46,7 @@ class Host:
     dispatch: Dispatch
     deploys: Deploys
     logs: LogStore
+    usage: Usage
 
 
 @contextlib.asynccontextmanager
@@ -78,7 +80,9 @@ async def running_host(
     capture = spacelog.install(logs, s.log_rate) if inherited is not None else None
     broadcast, meter = Broadcast(table, row), Meter(table, row)
     fleet = pools = None
-    if s.database_url:  # imported here: psycopg is slow to import (bench/NOTES.md)
+    # Imported here: psycopg is slow to import, a cost for a fleet host alone (bench/NOTES.md,
+    # "Figures moved out of code comments (issue 26)").
+    if s.database_url:
         from polyserve.fleet.client import FleetClient
         from polyserve.fleet.pools import PoolRouter
 
@@ -118,6 +122,7 @@ async def running_host(
             forkserver=inherited.forkserver if inherited is not None else None,
         ),
         logs=logs,
+        usage=Usage(table, store, threads),
     )
     # Off the main thread (an in-process test client) there is no signal handler:
     # requests still read the generation word, which alone keeps the contract.

@@ -1,7 +1,7 @@
 """The control plane's HTTP handlers under /_polyserve: who asks, what was sent, then one call.
 
 Each handler checks the caller (polyserve/control/auth.py) and the request, then calls
-the worker's deploys, store, logs or meter (polyserve/host.py builds them); none
+the worker's deploys, store, logs or usage answer (polyserve/host.py builds them); none
 holds logic of its own beyond reading the request and shaping the answer.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
@@ -29,8 +29,8 @@ from polyserve.control.auth import Auth
 from polyserve.deploy.deploys import rollback_request
 from polyserve.errors import ClientError
 from polyserve.host import Host
-from polyserve.usage import meter, prometheus
-from polyserve.usage.mapped import mapped_by_space
+from polyserve.usage import prometheus
+from polyserve.usage.answer import Only
 
 if TYPE_CHECKING:
     from polyserve.fleet.client import FleetClient
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 class ControlPlane:
     """The HTTP handlers under /_polyserve: each checks who asks and what was sent, then
-    calls the host's deploys, store or meter."""
+    calls the host's deploys, store or usage answer."""
 
     def __init__(self, settings: settings_mod.Settings) -> None:
         self.settings = settings
@@ -174,32 +174,12 @@ class ControlPlane:
     async def usage(self, request: Request) -> Response:
         scope = request.query_params.get("scope", "host")
         if scope == "fleet":
-            answer = await self._fleet().usage()
-        elif scope == "host" and request.query_params.get("only") == "host":
-            # The autoscaler's scrape: the host's totals, without 10,000 spaces.
-            answer = {"host": meter.host_usage(self._snapshot())}
+            body = orjson.dumps(await self._fleet().usage())
         elif scope == "host":
-            answer = meter.usage(self._snapshot())
-            spaces = cast(dict[str, dict[str, object]], answer["spaces"])
-            for row in spaces.values():  # cheaper than a lookup per space at 10,000 of them
-                row["mapped_kib"] = 0
-            for name, size in (await self._mapped()).items():
-                if name in spaces:
-                    spaces[name]["mapped_kib"] = size // 1024
+            body = await self.running.usage.json(_only(request.query_params.get("only")))
         else:
             raise ClientError(400, "scope must be `host` (the default) or `fleet`")
-        # orjson: the stdlib's encoder was most of the answer at 10,000 spaces.
-        return Response(orjson.dumps(answer), media_type="application/json")
-
-    async def _mapped(self) -> dict[str, int]:
-        """Bytes of each space's version files the workers map (model weights through
-        polyserve.models), counted once for the host (polyserve/usage/mapped.py)."""
-        host = self.running
-        pids = [pid for pid in host.table.pids.tolist() if pid]
-        # On a host thread: reading every worker's maps is a few system calls each.
-        return await anyio.to_thread.run_sync(
-            mapped_by_space, host.store.spaces_dir, pids, limiter=host.deploys.threads
-        )
+        return Response(body, media_type="application/json")
 
     async def fleet(self, request: Request) -> Response:
         """The fleet's hosts: live or not, and the last change each has applied."""
@@ -218,12 +198,8 @@ class ControlPlane:
             # Unreachable (a 503 ClientError): the lag is unknown, the rest is not.
             with contextlib.suppress(ClientError):
                 lag = await fleet.lag()
-        body = prometheus.exposition(self._snapshot(), lag, await self._mapped())
+        body = await self.running.usage.prometheus(lag)
         return Response(body, media_type=prometheus.CONTENT_TYPE)
-
-    def _snapshot(self) -> meter.Snapshot:
-        host = self.running
-        return meter.snapshot(host.table, host.store.slots.ledger(), meter.now_us())
 
     async def health(self, request: Request) -> Response:
         """This worker: its pid and the version of each space it holds."""
@@ -233,6 +209,11 @@ class ControlPlane:
 
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi.SPEC)
+
+
+def _only(text: str | None) -> Only | None:
+    """`?only=host` asks for the host's section alone; any other value, the whole answer."""
+    return "host" if text == "host" else None
 
 
 class _TooLarge(Exception):
