@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from polyserve.autoscale import config
-from polyserve.settings import markdown_table
+from polyserve.settings.docs import markdown_table
 from tests.helpers import REPO
 
 DB = {"POLYSERVE_DATABASE_URL": "postgresql://example.invalid/fleet"}

@@ -21,7 +21,8 @@ import yaml
 
 from polyserve.autoscale import cloud, hetzner, runpod
 from polyserve.autoscale.provider import HostSpec, Machine, ProviderError
-from polyserve.settings import markdown_table, read
+from polyserve.settings.declare import read
+from polyserve.settings.docs import markdown_table
 from tests.cloud_standins import (
     Call,
     HetznerStandIn,

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from polyserve.state.shm import HEADER_WORDS, MAGIC, Table
 from polyserve.state.slots import Ledger, SlotLog
-from polyserve.usage import meter, prometheus
+from polyserve.usage import answer, meter, prometheus
 from polyserve.usage.meter import CELLS, Cell, Meter
 
 NAMES = ["o/a", "o/b", "o/c"]
@@ -81,7 +81,7 @@ def test_usage_sums_workers_and_counts_open_residency():
     meters[1].loaded(0, clock.now - 30 * S, memory_bytes=100 * 1024)
     meters[1].loaded(1, clock.now - 10 * S, memory_bytes=0)
     meters[1].released(1)
-    u = meter.usage(meter.snapshot(table, SPACES, clock.now))
+    u = answer.usage(meter.snapshot(table, SPACES, clock.now))
     a, b, c = (u["spaces"][name] for name in NAMES)
     assert {k: a[k] for k in ("requests", "busy_ms", "warm_s", "loaded")} == {
         "requests": 6,
@@ -98,7 +98,7 @@ def test_usage_sums_workers_and_counts_open_residency():
 def test_the_seed_fields_have_the_seed_types():
     table, clock, (m, *_) = world()
     m.end(0, m.begin(), error=False)
-    fields = meter.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]["o/a"]
+    fields = answer.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]["o/a"]
     assert [type(fields[k]) for k in ("requests", "busy_ms", "warm_s", "loaded")] == [
         int,
         int,
@@ -126,7 +126,7 @@ def test_a_dead_workers_counts_stay_and_its_residency_is_closed():
     clock.now += 42 * S
     meter.fold_row(table, 1, clock.now)  # what the master does in child_exit
     clock.now += 1000 * S  # the dead worker's residency must not grow any more
-    u = meter.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]["o/a"]
+    u = answer.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]["o/a"]
     assert (u["requests"], u["warm_s"], u["loaded"]) == (100, 42, False)
     assert table.inflight_array().tolist() == [0, 0, 0]
 
@@ -137,11 +137,11 @@ def test_a_checkpoint_restores_the_same_usage(tmp_path):
         m.end(1, m.begin(), error=True)
     meters[2].loaded(1, clock.now - 7 * S, memory_bytes=0)
     meter.checkpoint(table, SPACES, tmp_path / "usage.json", clock.now)
-    before = meter.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]
+    before = answer.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]
 
     restarted = Table.anonymous(3, 4, CELLS)
     meter.set_base(restarted, meter.checkpoint_totals(tmp_path / "usage.json", SPACES))
-    after = meter.usage(meter.snapshot(restarted, SPACES, clock.now))["spaces"]
+    after = answer.usage(meter.snapshot(restarted, SPACES, clock.now))["spaces"]
     for name in NAMES:  # everything but the live state carries over
         for key in ("requests", "errors", "busy_ms", "warm_s", "cold_starts"):
             assert after[name][key] == before[name][key], (name, key)
@@ -221,13 +221,13 @@ def test_usage_is_per_name_across_a_slot_hand_over(tmp_path):
     m.end(1, m.begin(), error=True)  # the new owner's first request, an error
     offset = tuple(-v for v in final)
     ledger = Ledger(["o/a", "o/new", "o/c"], offsets={1: offset}, retired={"o/b": final})
-    u = meter.usage(meter.snapshot(table, ledger, clock.now))["spaces"]
+    u = answer.usage(meter.snapshot(table, ledger, clock.now))["spaces"]
     assert (u["o/b"]["requests"], u["o/b"]["errors"], u["o/b"]["loaded"]) == (3, 0, False)
     assert (u["o/new"]["requests"], u["o/new"]["errors"]) == (1, 1)
     meter.checkpoint(table, ledger, tmp_path / "usage.json", clock.now)
     restarted = Table.anonymous(3, 4, CELLS)
     meter.set_base(restarted, meter.checkpoint_totals(tmp_path / "usage.json", ledger))
-    after = meter.usage(meter.snapshot(restarted, ledger, clock.now))["spaces"]
+    after = answer.usage(meter.snapshot(restarted, ledger, clock.now))["spaces"]
     assert {n: after[n]["requests"] for n in after} == {n: u[n]["requests"] for n in u}
     assert after["o/new"]["errors"] == 1
 
@@ -243,7 +243,7 @@ def test_usage_counts_evictions_by_reason_over_every_worker():
     meters[1].evicted(0, Cell.EVICTED_MEMORY)
     meters[1].evicted(0, Cell.EVICTED_IDLE)
     meters[2].evicted(1, Cell.EVICTED_DEMAND)
-    u = meter.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]
+    u = answer.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]
     assert evicted(u["o/a"]) == (1, 2, 0) and evicted(u["o/b"]) == (0, 0, 1)
     samples = {
         (s.name, s.labels["space"], s.labels["reason"]): s.value
@@ -264,7 +264,7 @@ def test_a_checkpoint_written_before_evictions_were_counted_still_restores(tmp_p
     path.write_text(json.dumps({"format": 1, "saved_at": 0, "spaces": {"o/a": old}}))
     table, clock, _ = world()
     meter.set_base(table, meter.checkpoint_totals(path, SPACES))
-    u = meter.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]["o/a"]
+    u = answer.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]["o/a"]
     assert (u["requests"], u["errors"], u["cold_starts"]) == (5, 1, 2)
     assert evicted(u) == (0, 0, 0)
 
@@ -278,6 +278,6 @@ def test_a_hand_over_logged_before_evictions_were_counted_still_reads(tmp_path):
     for _ in range(6):  # four by o/old before the hand-over, two by o/new after
         m.end(0, m.begin(), error=False)
     m.evicted(0, Cell.EVICTED_IDLE)
-    u = meter.usage(meter.snapshot(table, slots.ledger(), clock.now))["spaces"]
+    u = answer.usage(meter.snapshot(table, slots.ledger(), clock.now))["spaces"]
     assert (u["o/old"]["requests"], u["o/new"]["requests"]) == (4, 2)
     assert evicted(u["o/new"]) == (1, 0, 0) and evicted(u["o/old"]) == (0, 0, 0)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from polyserve import settings
+from polyserve.settings import docs, variables
 from tests.helpers import REPO
 
 
@@ -38,8 +39,8 @@ def test_every_declaration_is_a_settings_field_and_back():
 
 
 def test_the_settings_page_table_is_generated_from_the_declarations():
-    page = (REPO / "docs" / "settings.md").read_text()
-    assert settings.markdown_table() in page, "run: python -m polyserve.settings --readme"
+    readme = (REPO / "docs" / "settings.md").read_text()
+    assert docs.markdown_table() in readme, "run: python -m polyserve.settings"
 
 
 def test_the_unpacked_cap_follows_the_upload_cap_unless_set():
@@ -136,7 +137,7 @@ def test_the_scrubbed_environment_has_no_token_variables(token_env):
 
 def test_the_worker_memory_cap_defaults_to_half_the_machine_split_among_the_workers():
     """MemTotal / 2 / POLYSERVE_WORKERS unless set; 0 means no cap; negative is refused."""
-    total = settings.memory_limit_mb()
+    total = variables.memory_limit_mb()
     assert total > 0  # Linux: /proc/meminfo
     assert settings.load({"POLYSERVE_WORKERS": "4"}).worker_memory_mb == total // 2 // 4
     assert settings.load({"POLYSERVE_WORKER_MEMORY_MB": "0"}).worker_memory_mb == 0
@@ -153,7 +154,7 @@ def test_the_memory_the_default_cap_divides_is_the_cgroup_limit_when_it_is_small
     memory_max = tmp_path / "memory.max"
 
     def limit() -> int:
-        return settings.memory_limit_mb(str(meminfo), str(memory_max))
+        return variables.memory_limit_mb(str(meminfo), str(memory_max))
 
     assert limit() == 8192  # no cgroup file
     memory_max.write_text("max\n")

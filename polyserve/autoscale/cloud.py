@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from urllib.parse import unquote, urlsplit
 
 from polyserve.autoscale.provider import ProviderError
-from polyserve.settings import SECRETS
+from polyserve.settings.declare import SECRETS
 
 # A variable whose name says it holds a secret: its value never reaches a message.
 _SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|DATABASE_URL|DSN", re.IGNORECASE)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from polyserve.settings import Setting, const, positive_float, read
+from polyserve.settings.declare import Setting, const, positive_float, read
 
 POOLS = ("cpu", "gpu")
 # Provider name -> module; each module declares SETTINGS and make(values) -> Provider,
@@ -204,7 +204,7 @@ def make_provider(name: str, values: Mapping[str, Any]) -> Any:
 if __name__ == "__main__":
     import sys
 
-    from polyserve.settings import markdown_table, write_readme
+    from polyserve.settings.docs import markdown_table, write_readme
 
     if sys.argv[1:] == ["--docs"]:
         write_readme("docs/autoscale.md", declared())

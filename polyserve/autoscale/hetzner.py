@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from polyserve.autoscale import cloud
 from polyserve.autoscale.provider import LABEL, POOL_LABEL, HostSpec, Machine, ProviderError
-from polyserve.settings import Setting, const
+from polyserve.settings.declare import Setting, const
 
 if TYPE_CHECKING:
     from hcloud import APIException, Client

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from polyserve.autoscale.provider import HostSpec, Machine
-from polyserve.settings import Setting, const, positive_int
+from polyserve.settings.declare import Setting, const, positive_int
 from polyserve.state.store import write_atomic
 
 SETTINGS: tuple[Setting, ...] = (

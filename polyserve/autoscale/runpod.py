@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from polyserve.autoscale import cloud
 from polyserve.autoscale.provider import HostSpec, Machine, ProviderError
-from polyserve.settings import Setting, const, positive_int
+from polyserve.settings.declare import Setting, const, positive_int
 
 if TYPE_CHECKING:
     import requests

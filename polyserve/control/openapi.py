@@ -1,19 +1,20 @@
-"""The OpenAPI 3 description of the control plane, served at /_polyserve/openapi.json."""
+"""The OpenAPI 3 description of the control plane, served at /_polyserve/openapi.json.
+
+This module holds the paths: each route, its parameters and its answers; the bodies
+those answers name live in polyserve/control/schemas.py.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from polyserve import __version__
-from polyserve.names import PART, POOL
+from polyserve.control.schemas import SCHEMAS
+from polyserve.names import PART
+from polyserve.usage.answer import Only
 
 NAME_PART = f"^{PART}$"
 SPACE = f"^{PART}/{PART}$"
-POOL_NAME = {
-    "type": "string",
-    "pattern": f"^{POOL}$",
-    "description": "the pool whose hosts run it (polyserve.toml's `pool`; default cpu)",
-}
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -25,10 +26,6 @@ def _error(description: str) -> dict[str, Any]:
 
 def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def _array_of(schema: str) -> dict[str, Any]:
-    return {"type": "array", "items": {"$ref": f"#/components/schemas/{schema}"}}
 
 
 _SPACE_PARAMS = [
@@ -51,7 +48,7 @@ _FLEET_202 = (
 
 
 def _space_write(summary: str, done: str) -> dict[str, Any]:
-    """A write to one deployed space (Deploys._change): delete and release answer alike."""
+    """A write to one deployed space (Deploys.undeploy, Deploys.release): both answer alike."""
     return {
         "summary": summary,
         "security": [{}, {"bearer": []}],
@@ -223,7 +220,7 @@ SPEC: dict[str, Any] = {
                         "in": "query",
                         "required": False,
                         "description": "`host`: only the host section (the autoscaler's scrape)",
-                        "schema": {"type": "string", "enum": ["host"]},
+                        "schema": {"type": "string", "enum": list(get_args(Only))},
                     }
                 ],
                 "responses": {"200": _json("usage", {"$ref": "#/components/schemas/Usage"})},
@@ -278,189 +275,6 @@ SPEC: dict[str, Any] = {
     },
     "components": {
         "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        "schemas": {
-            "Error": {
-                "type": "object",
-                "required": ["error"],
-                "properties": {"error": {"type": "string"}},
-            },
-            "Deployed": {
-                "type": "object",
-                "required": [
-                    "space",
-                    "version",
-                    "sha256",
-                    "size",
-                    "entry",
-                    "pool",
-                    "kind",
-                    "import_ms",
-                ],
-                "properties": {
-                    "space": {"type": "string"},
-                    "version": {"type": "integer"},
-                    "sha256": {"type": "string"},
-                    "size": {"type": "integer"},
-                    "entry": {"type": "string"},
-                    "pool": POOL_NAME,
-                    "kind": {"enum": ["app", "wsgi", "handle"]},
-                    "import_ms": {"type": "number"},
-                    "dependencies": {
-                        "type": "object",
-                        "description": "a tar's requirements.txt or polyserve.toml"
-                        " dependencies: the installed set (docs/dependencies.md)",
-                    },
-                },
-            },
-            "Current": {
-                "type": "object",
-                "description": "a space's current version, as its deploy published it",
-                "required": ["version", "entry", "pool"],
-                "properties": {
-                    "version": {"type": "integer"},
-                    "entry": {"type": "string"},
-                    "pool": POOL_NAME,
-                },
-            },
-            "PoolRedirect": {
-                "type": "object",
-                "required": ["space", "pool", "location", "message"],
-                "properties": {
-                    "space": {"type": "string"},
-                    "pool": POOL_NAME,
-                    "location": {"type": "string"},
-                    "message": {"type": "string"},
-                },
-            },
-            "Version": {
-                "type": "object",
-                "required": ["version", "sha256", "size", "entry", "kind", "current"],
-                "properties": {
-                    "version": {"type": "integer"},
-                    "sha256": {"type": "string"},
-                    "size": {"type": "integer"},
-                    "entry": {"type": "string"},
-                    "kind": {"enum": ["app", "wsgi", "handle"]},
-                    "import_ms": {"type": "number"},
-                    "deployed_at": {"type": "number", "description": "unix seconds"},
-                    "replaced": {
-                        "type": "integer",
-                        "nullable": True,
-                        "description": "the version current when this one was deployed",
-                    },
-                    "current": {"type": "boolean"},
-                },
-            },
-            "Event": {
-                "type": "object",
-                "required": ["event", "version", "previous", "at"],
-                "properties": {
-                    "event": {"enum": ["deploy", "rollback", "delete", "release"]},
-                    "version": {"type": "integer", "nullable": True},
-                    "previous": {"type": "integer", "nullable": True},
-                    "at": {"type": "number", "description": "unix seconds"},
-                },
-            },
-            "Versions": {
-                "type": "object",
-                "required": ["space", "current", "store", "versions", "history"],
-                "properties": {
-                    "space": {"type": "string"},
-                    "current": {"type": "integer", "nullable": True},
-                    "store": {"enum": ["host", "fleet"]},
-                    "keep_versions": {"type": "integer"},
-                    "versions": _array_of("Version"),
-                    "history": _array_of("Event"),
-                },
-            },
-            "RolledBack": {
-                "type": "object",
-                "required": ["space", "version", "previous", "sha256", "entry", "kind"],
-                "properties": {
-                    "space": {"type": "string"},
-                    "version": {"type": "integer"},
-                    "previous": {"type": "integer"},
-                    "sha256": {"type": "string"},
-                    "size": {"type": "integer"},
-                    "entry": {"type": "string"},
-                    "kind": {"enum": ["app", "wsgi", "handle"]},
-                    "import_ms": {"type": "number"},
-                    "hosts": {
-                        "type": "object",
-                        "description": "in a fleet: applied, live; lagging and skipped (a 202)",
-                    },
-                },
-            },
-            "Logs": {
-                "type": "object",
-                "required": ["records", "next"],
-                "properties": {
-                    "records": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": [
-                                "seq",
-                                "time",
-                                "level",
-                                "version",
-                                "worker",
-                                "stream",
-                                "message",
-                            ],
-                            "properties": {
-                                "seq": {"type": "integer", "description": "its cursor"},
-                                "time": {"type": "number", "description": "Unix seconds"},
-                                "level": {"type": "string"},
-                                "version": {"type": "integer"},
-                                "worker": {"type": "integer", "description": "the pid"},
-                                "stream": {"enum": ["logging", "stdout", "stderr"]},
-                                "message": {"type": "string"},
-                            },
-                        },
-                    },
-                    "next": {"type": "integer", "description": "pass back as `since`"},
-                },
-            },
-            "Usage": {
-                "type": "object",
-                "required": ["host"],  # `spaces` too, but with ?only=host
-                "properties": {
-                    "spaces": {
-                        "type": "object",
-                        "additionalProperties": {
-                            "type": "object",
-                            "required": ["requests", "busy_ms", "warm_s", "loaded"],
-                            "properties": {
-                                "requests": {"type": "integer"},
-                                "busy_ms": {"type": "integer"},
-                                "warm_s": {"type": "integer"},
-                                "loaded": {"type": "boolean"},
-                                "memory_kib": {
-                                    "type": "integer",
-                                    "description": "anonymous memory (RssAnon) the latest"
-                                    " load added to its worker",
-                                },
-                                "mapped_kib": {
-                                    "type": "integer",
-                                    "description": "the space's own files mapped by the"
-                                    " host's workers (model weights through"
-                                    " polyserve.models), each range counted once per host",
-                                },
-                                **{
-                                    f"evicted_{reason}": {"type": "integer", "description": doc}
-                                    for reason, doc in (
-                                        ("idle", "releases after POLYSERVE_IDLE_TTL idle"),
-                                        ("memory", "releases under POLYSERVE_WORKER_MEMORY_MB"),
-                                        ("demand", "releases on demand, one per worker"),
-                                    )
-                                },
-                            },
-                        },
-                    },
-                    "host": {"type": "object"},
-                },
-            },
-        },
+        "schemas": SCHEMAS,
     },
 }

@@ -20,7 +20,6 @@ import anyio.to_thread
 from polyserve.deploy import deps, requirements
 from polyserve.deploy.validate import validate
 from polyserve.errors import ClientError
-from polyserve.master import hooks
 from polyserve.names import parse_space
 from polyserve.settings import Settings, scrubbed_environ
 from polyserve.state.apply import Changes
@@ -48,6 +47,7 @@ class Deploys:
         refresh: Callable[[], None],
         fleet: FleetClient | None = None,
         floor: Callable[[], int | None] = lambda: None,
+        forkserver: str | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -57,6 +57,7 @@ class Deploys:
         self.threads = threads  # the host's own threads: no tenant can exhaust them
         self.fleet = fleet  # with POLYSERVE_DATABASE_URL: the fleet's database decides
         self.floor = floor  # a worker's memory holding no space, once its registry knows
+        self.forkserver = forkserver  # the master's fork server's socket name, if it runs one
 
     async def deploy(
         self, space: str, upload: BinaryIO, filename: str
@@ -74,7 +75,7 @@ class Deploys:
                 s.import_memory_mb,
                 env=scrubbed_environ(),
                 deps=installed.site if installed is not None else None,
-                forkserver=hooks.forkserver_name(),
+                forkserver=self.forkserver,
                 namespaces=s.validate_namespaces,
             )
             self._fits(staged.entry, int(checked.pop("memory_bytes", 0)))  # type: ignore[call-overload]

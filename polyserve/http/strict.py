@@ -150,7 +150,8 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
     # Slots, not instance attributes: uvicorn's protocol already sets 28, and past 30 an
     # instance's attributes no longer share their class's keys (CPython's
     # SHARED_KEYS_MAX_SIZE), which made every attribute read of uvicorn's own code slower:
-    # about 3 µs of the first version's 5 per request (bench/NOTES.md).
+    # most of the first version's cost per request (bench/NOTES.md, "Strict HTTP at the
+    # door").
     __slots__ = ("head_bytes", "host_of", "trailers", "type_of")
 
     max_line: ClassVar[int] = 4094
@@ -307,8 +308,8 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         # uvicorn's on_headers_complete (tests/test_http_strict.py checks that it still
         # is), with the checks between its lines: as a wrapper around it, the extra call
-        # cost about 1 µs a request (bench/NOTES.md). A refusal here comes before the
-        # request has a task.
+        # cost a measurable share of a request (bench/NOTES.md, "Strict HTTP at the
+        # door"). A refusal here comes before the request has a task.
         http_version = self.parser.get_http_version()
         method = self.parser.get_method()
         self.scope["method"] = method.decode("ascii")

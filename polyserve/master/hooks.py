@@ -23,6 +23,8 @@ from polyserve.control import auth
 from polyserve.deploy.forkserver import ForkServer, stop_child
 from polyserve.master.leftover import Leftover
 from polyserve.serve import warmup
+from polyserve.state import handoff
+from polyserve.state.handoff import Handoff
 from polyserve.state.shm import H_STARTED, Table, segment_name
 from polyserve.state.store import Store
 from polyserve.usage import meter
@@ -140,21 +142,6 @@ def _start_follower(url: str) -> subprocess.Popen[bytes]:
 _master: _Master | None = None
 _starting: tuple[settings_mod.Settings, Store] | None = None  # on_starting -> when_ready
 _lock_file: Any = None  # host.lock, flock'd: the master's alone (post_fork closes it)
-_worker_slot: int | None = None  # set in each worker by post_fork
-
-
-def inherited() -> tuple[Table, int] | None:
-    """The table and this worker's row, when running under the polyserve master."""
-    if _master is None or _worker_slot is None:
-        return None
-    return _master.table, _worker_slot
-
-
-def forkserver_name() -> str | None:
-    """The master's fork server's socket name, in a worker of a master that runs one."""
-    if _master is None or _master.forkserver is None:
-        return None
-    return _master.forkserver.name
 
 
 def worker_slots(workers: int) -> int:
@@ -276,7 +263,7 @@ def pre_fork(server: Any, worker: Any) -> None:
 
 
 def post_fork(server: Any, worker: Any) -> None:
-    global _worker_slot, _lock_file
+    global _lock_file
     # The data-dir lock is the master's alone: a worker that a master killed with -9
     # leaves draining must not refuse the restart, nor must anything tenant code forks.
     # flock belongs to the open file description, which fork shares, so closing this
@@ -294,7 +281,9 @@ def post_fork(server: Any, worker: Any) -> None:
         _master.leftover = None
     if worker.polyserve_slot is None:
         sys.exit(0)
-    _worker_slot = worker.polyserve_slot
+    assert _master is not None
+    forkserver = _master.forkserver.name if _master.forkserver is not None else None
+    handoff.hand(Handoff(_master.table, worker.polyserve_slot, forkserver))
     # A worker outlives a master killed with -9 unless told: uvicorn-worker does not
     # watch its parent. SIGTERM makes it finish its requests and fold its usage.
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

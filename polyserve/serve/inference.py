@@ -24,7 +24,7 @@ from polyserve.serve import modelspace, protocol
 from polyserve.serve.modelspace import Answer, ProtocolError, Route
 
 if TYPE_CHECKING:
-    from polyserve.app import ControlPlane
+    from polyserve.control.plane import ControlPlane
 
 
 class InferenceRoutes:

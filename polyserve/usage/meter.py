@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -74,7 +75,8 @@ _TOTAL_CELLS = [int(c) for c in TOTALS]
 TOTAL_NAMES = tuple(c.name.lower() for c in TOTALS)  # as checkpoints name them
 BILLED_NAMES = TOTAL_NAMES[: len(BILLED)]  # as the fleet's ledger names them
 # Why a worker let a space go, as the usage answer (evicted_<reason>) and Prometheus name it.
-EVICTIONS = {
+Reason = Literal["idle", "memory", "demand"]
+EVICTIONS: dict[Reason, Cell] = {
     "idle": Cell.EVICTED_IDLE,
     "memory": Cell.EVICTED_MEMORY,
     "demand": Cell.EVICTED_DEMAND,
@@ -219,8 +221,9 @@ def _widen(values: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The usage table read once, per space name, in base units (counts, µs, bytes):
-    what the usage JSON and the Prometheus exposition both render."""
+    """The usage table read once, per space name, in base units (counts, µs, bytes).
+
+    polyserve/usage/answer.py renders it as the usage JSON and the Prometheus text."""
 
     names: list[str]
     totals: np.ndarray  # (N, C): the TOTALS cells per name, ledger offsets applied
@@ -252,58 +255,6 @@ def snapshot(table: Table, ledger: Ledger, now: int) -> Snapshot:
         busy_us=int(summed[:, Cell.BUSY_US].sum()),
         in_flight=int(table.inflight_array().sum()),
     )
-
-
-def usage(snap: Snapshot) -> dict[str, object]:
-    """The /_polyserve/usage answer: the seed's four fields per space, and more."""
-    t = snap.totals
-    # Column by column in numpy, then one comprehension: a per-space loop of arithmetic
-    # was most of the answer's time at 10,000 spaces.
-    columns = zip(
-        snap.names,
-        t[:, Cell.REQUESTS].tolist(),
-        (t[:, Cell.BUSY_US] // 1000).tolist(),
-        (t[:, Cell.RESIDENT_US] // 1_000_000).tolist(),
-        (snap.workers_loaded > 0).tolist(),
-        t[:, Cell.ERRORS].tolist(),
-        t[:, Cell.LOADS].tolist(),
-        snap.workers_loaded.tolist(),
-        (snap.last_import_us / 1000).round(3).tolist(),
-        (snap.memory_bytes // 1024).tolist(),
-        t[:, Cell.EVICTED_IDLE].tolist(),
-        t[:, Cell.EVICTED_MEMORY].tolist(),
-        t[:, Cell.EVICTED_DEMAND].tolist(),
-        strict=True,
-    )
-    spaces = {
-        name: {
-            "requests": r,
-            "busy_ms": b,
-            "warm_s": w,
-            "loaded": lo,
-            "errors": e,
-            "cold_starts": c,
-            "workers_loaded": wl,
-            "last_import_ms": li,
-            "memory_kib": k,
-            # Flat: a nested object per space made the answer 70% slower at 10,000.
-            "evicted_idle": ei,
-            "evicted_memory": em,
-            "evicted_demand": ed,
-        }
-        for name, r, b, w, lo, e, c, wl, li, k, ei, em, ed in columns
-    }
-    return {"spaces": spaces, "host": host_usage(snap)}
-
-
-def host_usage(snap: Snapshot) -> dict[str, object]:
-    """The usage answer's `host` section: what the autoscaler's busy ratio is made of."""
-    return {
-        "workers": snap.workers,
-        "uptime_s": round(snap.uptime_us / 1e6, 3),
-        "busy_ms": snap.busy_us // 1000,
-        "in_flight": snap.in_flight,
-    }
 
 
 # -- checkpoint and restore ------------------------------------------------------------
@@ -339,7 +290,7 @@ def checkpoint(table: Table, ledger: Ledger, path: Path, now: int) -> None:
 
 def checkpoint_totals(path: Path, ledger: Ledger) -> np.ndarray | None:
     """A checkpoint's totals as raw per-slot totals (S, C) — the ledger's offsets taken
-    back out, since usage() adds them again — or None if there is none yet."""
+    back out, since snapshot() adds them again — or None if there is none yet."""
     try:
         saved = json.loads(path.read_text())["spaces"]
     except FileNotFoundError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Literal
 
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
@@ -18,44 +19,55 @@ def _total(cell: Cell, per_unit: float = 1) -> Callable[[Snapshot], np.ndarray]:
     return lambda snap: snap.totals[:, cell] / per_unit
 
 
-# (metric name, counter or gauge, help, the values per space in the metric's unit). From
-# the snapshot's base units, so seconds keep microsecond resolution.
-_SPACE_METRICS: tuple[tuple[str, bool, str, Callable[[Snapshot], np.ndarray]], ...] = (
-    ("polyserve_space_requests", True, "Requests answered by the space.", _total(Cell.REQUESTS)),
-    ("polyserve_space_errors", True, "Requests the space answered 5xx.", _total(Cell.ERRORS)),
+Kind = Literal["counter", "gauge"]
+_FAMILIES: dict[Kind, type[CounterMetricFamily | GaugeMetricFamily]] = {
+    "counter": CounterMetricFamily,
+    "gauge": GaugeMetricFamily,
+}
+
+# (metric name, its kind, help, the values per space in the metric's unit). From the
+# snapshot's base units, so seconds keep microsecond resolution.
+_SPACE_METRICS: tuple[tuple[str, Kind, str, Callable[[Snapshot], np.ndarray]], ...] = (
+    (
+        "polyserve_space_requests",
+        "counter",
+        "Requests answered by the space.",
+        _total(Cell.REQUESTS),
+    ),
+    ("polyserve_space_errors", "counter", "Requests the space answered 5xx.", _total(Cell.ERRORS)),
     (
         "polyserve_space_busy_seconds",
-        True,
+        "counter",
         "Time from dispatch to the space until its responses completed.",
         _total(Cell.BUSY_US, 1e6),
     ),
     (
         "polyserve_space_warm_seconds",
-        True,
+        "counter",
         "Residency: seconds loaded, summed over the workers holding the space.",
         _total(Cell.RESIDENT_US, 1e6),
     ),
     (
         "polyserve_space_cold_starts",
-        True,
+        "counter",
         "Imports of the space (first request, after idle release, after a deploy).",
         _total(Cell.LOADS),
     ),
     (
         "polyserve_space_workers_loaded",
-        False,
+        "gauge",
         "Workers that hold the space now.",
         lambda snap: snap.workers_loaded,
     ),
     (
         "polyserve_space_last_import_seconds",
-        False,
+        "gauge",
         "Duration of the latest import and startup of the space in a worker.",
         lambda snap: snap.last_import_us / 1e6,
     ),
     (
         "polyserve_space_memory_bytes",
-        False,
+        "gauge",
         "Anonymous memory (RssAnon) the latest load of the space added to its worker.",
         lambda snap: snap.memory_bytes,
     ),
@@ -72,10 +84,8 @@ class _SnapshotCollector:
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snap
-        for name, counter, doc, values in _SPACE_METRICS:
-            family = (CounterMetricFamily if counter else GaugeMetricFamily)(
-                name, doc, labels=["space"]
-            )
+        for name, kind, doc, values in _SPACE_METRICS:
+            family = _FAMILIES[kind](name, doc, labels=["space"])
             for space, value in zip(snap.names, values(snap).tolist(), strict=True):
                 family.add_metric([space], value)
             yield family

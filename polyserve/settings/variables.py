@@ -1,49 +1,23 @@
-"""Every POLYSERVE_* setting, declared once: env name, type, default and one-line doc."""
+"""Every POLYSERVE_* variable of the host, declared once: env name, parser, default and doc."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import socket
-from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from polyserve.names import DEFAULT_POOL, POOL_RULE, is_pool
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str  # attribute name on Settings; the env var is POLYSERVE_<NAME>
-    parse: Callable[[str], Any]
-    # Called with the values read so far, so a default may follow an earlier setting.
-    default: Callable[[dict[str, Any]], Any]
-    doc: str
-    default_doc: str = ""  # shown in docs/settings.md when the default is computed
-    # Most settings take an empty value as unset; one that means "none" when empty
-    # (POLYSERVE_PRELOAD) says so here.
-    empty_is_value: bool = False
-
-    @property
-    def env(self) -> str:
-        return "POLYSERVE_" + self.name.upper()
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"must be at least 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(f"must be 0 or more, got {value}")
-    return value
-
+from polyserve.names import DEFAULT_POOL
+from polyserve.settings.declare import (
+    Setting,
+    const,
+    flag,
+    non_negative_int,
+    pool_name,
+    positive_float,
+    positive_int,
+    token_sha256,
+)
 
 # The default worker memory cap: this share of the machine's memory, split among the
 # workers, leaves the rest to the master, the page cache and everything else on the host.
@@ -85,28 +59,6 @@ def default_worker_memory_mb(values: dict[str, Any]) -> int:
     return int(memory_limit_mb() * MEMORY_SHARE) // values["workers"]
 
 
-def positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise ValueError(f"must be greater than 0, got {value}")
-    return value
-
-
-def pool_name(text: str) -> str:
-    if not is_pool(text):
-        raise ValueError(f"must be a pool name: {POOL_RULE}")
-    return text
-
-
-def flag(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("must be 1/true/yes/on or 0/false/no/off")
-
-
 def _directories(text: str) -> tuple[str, ...]:
     return tuple(d for d in text.split(":") if d)
 
@@ -125,35 +77,10 @@ def _module_names(text: str) -> tuple[str, ...]:
     return names
 
 
-def const(value: Any) -> Callable[[dict[str, Any]], Any]:
-    return lambda _: value
-
-
-def token_sha256(token: str) -> str:
-    """How the admin token and the owner tokens are kept: their SHA-256, in hex."""
-    # Tokens are 256-bit random strings, so a plain SHA-256 is enough to keep them out
-    # of files and memory; a slow password hash would only slow every deploy down.
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def _sha256_hex(text: str) -> str:
     if not re.fullmatch(r"[0-9a-fA-F]{64}", text):
         raise ValueError("must be a SHA-256 in hex (64 digits): `make token` prints one")
     return text.lower()
-
-
-# Never echoed in an error, never handed to a subprocess by scrubbed_environ(). The
-# hash is not secret for a random token, but it is where a plaintext token pasted into
-# the wrong variable would end up.
-SECRETS = (
-    "POLYSERVE_DEPLOY_TOKEN",
-    "POLYSERVE_DEPLOY_TOKEN_SHA256",
-    "POLYSERVE_DATABASE_URL",
-    "POLYSERVE_DATABASE_URL_FILE",  # a path, where a validation would know to look
-)
-# The fleet's URL once the master has taken it out of its environment (withhold): workers
-# inherit it with the master's memory, and read it from here.
-_withheld: dict[str, str] = {}
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -419,166 +346,3 @@ SETTINGS: tuple[Setting, ...] = (
         "Largest size (MiB) one installed dependency set may take on disk.",
     ),
 )
-
-
-@dataclass(frozen=True)
-class Settings:
-    bind: str
-    workers: int
-    data_dir: str
-    idle_ttl: float
-    worker_memory_mb: int
-    request_timeout: float
-    worker_timeout: int
-    deploy_token_sha256: str  # from either token variable; the plaintext is never kept
-    tokens_file: str
-    import_timeout: float
-    import_memory_mb: int
-    validate_forkserver: bool
-    validate_namespaces: bool
-    max_spaces: int
-    keep_versions: int
-    checkpoint_interval: float
-    max_upload_mb: int
-    max_unpacked_mb: int
-    max_infer_mb: int
-    space_threads: int
-    preload: tuple[str, ...]
-    log_kb: int
-    log_rate: int
-    database_url: str
-    host_id: str
-    advertise_url: str
-    pool: str
-    pool_retry_after_s: int
-    fleet_poll_s: float
-    fleet_live_s: float
-    fleet_timeout_s: float
-    deploy_wait_s: float
-    deps_index_url: str
-    deps_find_links: tuple[str, ...]
-    deps_offline: bool
-    deps_timeout: float
-    deps_max_mb: int
-
-
-def load(env: Mapping[str, str] | None = None) -> Settings:
-    """Read every setting from env (default: os.environ); a bad value names its variable.
-
-    Reading os.environ also replaces a plaintext POLYSERVE_DEPLOY_TOKEN there by
-    POLYSERVE_DEPLOY_TOKEN_SHA256, so later loads (the gunicorn config, on_starting, each
-    worker's app) get the same digest and spaces and child processes never see the token.
-    """
-    env = os.environ if env is None else env
-    values = read(SETTINGS, {**env, **_withheld} if env is os.environ else env)
-    values["database_url"] = _database_url(values.pop("database_url_file"), values)
-    admin = values.pop("deploy_token")  # already its digest
-    if admin and values["deploy_token_sha256"]:
-        raise ValueError(
-            "POLYSERVE_DEPLOY_TOKEN and POLYSERVE_DEPLOY_TOKEN_SHA256 are both set: keep only"
-            " POLYSERVE_DEPLOY_TOKEN_SHA256 (`make token` prints a token and its hash)"
-        )
-    values["deploy_token_sha256"] = admin or values["deploy_token_sha256"]
-    if env is os.environ:
-        forget_token(os.environ)
-    return Settings(**values)
-
-
-def _database_url(path: str, values: dict[str, Any]) -> str:
-    """The fleet's URL: POLYSERVE_DATABASE_URL's, or the contents of the file it names."""
-    if not path:
-        return str(values["database_url"])
-    if values["database_url"]:
-        raise ValueError(
-            "POLYSERVE_DATABASE_URL and POLYSERVE_DATABASE_URL_FILE are both set: keep one"
-        )
-    try:
-        url = Path(path).read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"POLYSERVE_DATABASE_URL_FILE: cannot read it: {exc}") from None
-    if not url:
-        raise ValueError("POLYSERVE_DATABASE_URL_FILE: the file is empty")
-    return url
-
-
-def withhold(url: str, environ: MutableMapping[str, str] | None = None) -> None:
-    """The master's, once at start: take the fleet's URL (and the file naming it) out of
-    environ (default: os.environ), so no child process and no space's os.environ gets
-    it; load() still returns it in this process and in the workers it forks. The kernel's
-    copy of the environment the master was started with (/proc/<pid>/environ) is
-    overwritten by the process title gunicorn sets."""
-    environ = os.environ if environ is None else environ
-    for name in ("POLYSERVE_DATABASE_URL", "POLYSERVE_DATABASE_URL_FILE"):
-        environ.pop(name, None)
-    if url and environ is os.environ:
-        _withheld["POLYSERVE_DATABASE_URL"] = url
-
-
-def read(declared: tuple[Setting, ...], env: Mapping[str, str]) -> dict[str, Any]:
-    """Each declared setting's value from env, or its default; a bad value names its
-    variable (and hides a secret's value)."""
-    values: dict[str, Any] = {}
-    for s in declared:
-        raw = env.get(s.env)
-        if raw is None or (raw == "" and not s.empty_is_value):
-            values[s.name] = s.default(values)
-            continue
-        try:
-            values[s.name] = s.parse(raw)
-        except ValueError as exc:
-            shown = "<not shown>" if s.env in SECRETS else repr(raw)
-            raise ValueError(f"{s.env}={shown}: {exc}") from None
-    return values
-
-
-def forget_token(environ: MutableMapping[str, str]) -> None:
-    """Replace a plaintext POLYSERVE_DEPLOY_TOKEN in environ by its SHA-256.
-
-    On os.environ this unsets the C environment's variable too, so child processes and a
-    space's os.environ no longer hold it. /proc/self/environ shows the environment block
-    the process started with until gunicorn writes its process title over it
-    (setproctitle). Only starting the host with POLYSERVE_DEPLOY_TOKEN_SHA256 keeps the
-    token out of the host's processes altogether.
-    """
-    plain = environ.pop("POLYSERVE_DEPLOY_TOKEN", None)
-    if plain:
-        environ["POLYSERVE_DEPLOY_TOKEN_SHA256"] = token_sha256(plain)
-
-
-def scrubbed_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """environ (default: os.environ) without the admin token variables (SECRETS): the
-    environment to give a subprocess that runs tenant code."""
-    environ = os.environ if environ is None else environ
-    return {k: v for k, v in environ.items() if k not in SECRETS}
-
-
-def markdown_table(declared: tuple[Setting, ...] = SETTINGS) -> str:
-    """docs/settings.md's settings table, generated from the declarations above."""
-    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
-    defaults: dict[str, Any] = {}
-    for s in declared:
-        defaults[s.name] = s.default(defaults)
-        default = s.default_doc or str(defaults[s.name])
-        shown = f"`{default}`" if default else "(empty)"
-        rows.append(f"| `{s.env}` | {shown} | {s.doc} |")
-    return "\n".join(rows)
-
-
-def write_readme(path: str = "docs/settings.md", declared: tuple[Setting, ...] = SETTINGS) -> None:
-    """Replace the table between a page's settings markers with a fresh one."""
-    begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
-    with open(path) as f:
-        text = f.read()
-    head, rest = text.split(begin)
-    _, tail = rest.split(end)
-    with open(path, "w") as f:
-        f.write(f"{head}{begin}{markdown_table(declared)}\n{end}{tail}")
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:] == ["--readme"]:
-        write_readme()
-    else:
-        print(markdown_table())
