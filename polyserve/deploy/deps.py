@@ -51,6 +51,7 @@ from polyserve.deploy.requirements import (
 )
 from polyserve.errors import DISK_FULL, ClientError
 from polyserve.settings import Settings
+from polyserve.state.files import write_atomic
 
 ECHO_CHARS = 200
 
@@ -130,7 +131,7 @@ async def install(requested: Requested, data_dir: Path, settings: Settings) -> I
         with _disk_full_is_507():
             (work / "set.json").write_text(json.dumps(described))
             fresh = _move_into_place(work, deps / "sets" / digest)
-            _write_atomic(deps / "requests" / key, json.dumps(described).encode())
+            write_atomic(deps / "requests" / key, json.dumps(described).encode())
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return Installed(
@@ -518,16 +519,6 @@ def _record_paths(info: Path) -> Iterable[str]:
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # the group is already gone
         os.killpg(pid, signal.SIGKILL)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 _DISK_FULL_ERROR = ClientError(

@@ -36,6 +36,7 @@ from typing import BinaryIO
 
 from polyserve.errors import DISK_FULL, ClientError
 from polyserve.names import DEFAULT_POOL
+from polyserve.state.files import symlink_atomic, write_atomic
 from polyserve.state.slots import Reclaim, SlotLog
 from polyserve.state.unpack import unpack_upload
 
@@ -206,7 +207,7 @@ class Store:
             if number > _read_int(sdir / "last"):
                 write_atomic(sdir / "last", str(number).encode())
                 event = "deploy"
-            _symlink_atomic(f"versions/{number}", sdir / "current")
+            symlink_atomic(f"versions/{number}", sdir / "current")
             self.record(space, event, number, previous)
         return slot
 
@@ -482,17 +483,6 @@ def _read_int(path: Path) -> int:
         return 0
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace a file whole: readers see the old bytes or the new, never a part."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 @contextlib.contextmanager
 def _disk_full_is_507() -> Iterator[None]:
     try:
@@ -505,11 +495,3 @@ def _disk_full_is_507() -> Iterator[None]:
             "the data disk is full: nothing was published; free space under"
             " POLYSERVE_DATA_DIR and deploy again",
         ) from None
-
-
-def _symlink_atomic(target: str, link: Path) -> None:
-    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    os.symlink(target, tmp)
-    os.replace(tmp, link)
