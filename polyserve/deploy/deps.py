@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ from typing import Any
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from polyserve import procs
 from polyserve.deploy.requirements import (
     Requested,
     check_host_version,
@@ -247,7 +247,7 @@ async def _run_uv(requested: Requested, work: Path, deps: Path, settings: Settin
             _watch(proc, proc.stdout, work / "site", cap), settings.deps_timeout
         )
     except TimeoutError:
-        _kill_group(proc.pid)
+        procs.kill_group(proc.pid)
         await proc.wait()
         raise ClientError(
             422,
@@ -257,9 +257,9 @@ async def _run_uv(requested: Requested, work: Path, deps: Path, settings: Settin
             source=requested.source,
         ) from None
     except BaseException:
-        _kill_group(proc.pid)  # the deploy was cancelled: leave nothing running
+        procs.kill_group(proc.pid)  # the deploy was cancelled: leave nothing running
         raise
-    _kill_group(proc.pid)
+    procs.kill_group(proc.pid)
     if over:
         raise ClientError(
             413,
@@ -289,7 +289,7 @@ async def _watch(
             await asyncio.wait({exited}, timeout=0.25)
             # Counted as it grows, off the event loop: a set may be thousands of files.
             if await asyncio.to_thread(_size, site) > cap:
-                _kill_group(proc.pid)
+                procs.kill_group(proc.pid)
                 await exited
                 return bytes(kept), True
         await reader
@@ -514,11 +514,6 @@ def _record_paths(info: Path) -> Iterable[str]:
     except FileNotFoundError:
         return ()
     return [line.rsplit(",", 2)[0] for line in lines if line]
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # the group is already gone
-        os.killpg(pid, signal.SIGKILL)
 
 
 _DISK_FULL_ERROR = ClientError(

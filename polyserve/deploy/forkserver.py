@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import importlib
 import json
@@ -63,10 +62,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from polyserve import procs
 from polyserve.deploy import sandbox
 from polyserve.serve import warmup
 
-_PR_SET_PDEATHSIG = 1
 _MAX_MESSAGE = 1 << 20  # a request carries the environment: a few KiB
 _HANDSHAKE_S = 5.0  # a live server forks at once; past this, spawn instead
 _STOP_S = 5.0
@@ -184,19 +183,7 @@ class ForkServer:
     def stop(self) -> None:
         """At exit: SIGTERM, on which it kills its children's groups; SIGKILL if slow."""
         if self.proc is not None:
-            stop_child(self.proc, _STOP_S)
-
-
-def stop_child(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """SIGTERM a child of this process and reap it; SIGKILL it after `timeout` s."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+            procs.stop_child(self.proc, _STOP_S)
 
 
 # -- the server --------------------------------------------------------------------------
@@ -272,7 +259,7 @@ class _Server:
         now = time.monotonic()
         for pid in [pid for pid, due in self.kill_due.items() if now >= due]:
             del self.kill_due[pid]
-            _kill_group(pid)
+            procs.kill_group(pid, denied_ok=True)
 
     def step(self, timeout: float | None = None) -> None:
         """One select and what it found."""
@@ -435,7 +422,7 @@ class _Server:
         for pid, spare in self.ahead.items():
             if spare.stopped(pid):
                 spare.warm = False  # never handed a request: reaped when its pidfd says
-                _kill_group(pid)
+                procs.kill_group(pid, denied_ok=True)
 
     def _spare_child(self, server: int, theirs: socket.socket) -> None:
         """In the spare: detach and split into a keeper and the validation, which runs
@@ -477,7 +464,8 @@ class _Server:
 
     def _reap(self, pid: int) -> None:
         _, status = os.waitpid(pid, 0)
-        _kill_group(pid)  # what the import left behind, as a spawned validator's parent does
+        # What the import left behind, as a spawned validator's parent kills it.
+        procs.kill_group(pid, denied_ok=True)
         self.kill_due.pop(pid, None)
         # A keeper killed, or failed, before it could clean up after its validation.
         if os.WIFSIGNALED(status) or os.waitstatus_to_exitcode(status) == EXIT_CHILD_FAILED:
@@ -560,7 +548,7 @@ class _Server:
         """In a child: its own session and death signal, none of the server's sockets."""
         os.setsid()  # its own group: the timeout kills whatever the import spawned
         # Nothing outlives the server (the master stops it, or it dies with it).
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        procs.die_with_parent(signal.SIGKILL)
         if os.getppid() != server:
             os._exit(EXIT_CHILD_FAILED)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -608,7 +596,7 @@ class _Server:
         while waiting and (left := deadline - time.monotonic()) > 0:
             waiting -= set(select.select(list(waiting), [], [], left)[0])
         for pid in pidfds:
-            _kill_group(pid)
+            procs.kill_group(pid, denied_ok=True)
         for pid in sandbox.children(os.getpid()):
             if pid not in pidfds:
                 with contextlib.suppress(ProcessLookupError):
@@ -639,11 +627,6 @@ def _send(client: socket.socket, message: dict[str, object]) -> None:
         client.send(json.dumps(message).encode())
 
 
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
-        os.killpg(pid, signal.SIGKILL)
-
-
 def _stop(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
@@ -671,7 +654,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     # SIGTERM (and so the cleanup below) when the master dies, even of a SIGKILL.
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    procs.die_with_parent(signal.SIGTERM)
     if os.getppid() != master:
         os._exit(0)
     sandbox.subreaper()  # what a killed keeper's validation leaves comes here: see _strays

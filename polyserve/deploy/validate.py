@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
+from polyserve import procs
 from polyserve.deploy import forkserver as forkserver_mod
 from polyserve.deploy import sandbox
 from polyserve.errors import ClientError
@@ -180,18 +181,13 @@ async def _end(proc: asyncio.subprocess.Process | forkserver_mod.Forked) -> None
         _terminate(proc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), _END_S)
-    _kill_group(proc.pid)
+    procs.kill_group(proc.pid)
 
 
 def _terminate(proc: asyncio.subprocess.Process | forkserver_mod.Forked) -> None:
     if proc.returncode is None:  # else reaped: its pid may name another process by now
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGTERM)
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # the group is already gone
-        os.killpg(pid, signal.SIGKILL)
 
 
 # -- the child --------------------------------------------------------------------------

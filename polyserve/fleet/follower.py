@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import compileall
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ import psycopg
 
 from polyserve.errors import DISK_FULL, ClientError
 from polyserve.fleet.db import Boot, Change, FleetDB, Stored, Totals, Unreachable
+from polyserve.procs import die_with_parent
 from polyserve.settings import Settings, load
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.shm import H_ALIVE, Table, segment_name
@@ -421,7 +421,7 @@ def main() -> None:
     """`python -m polyserve.fleet.follower`, started by the master with its environment."""
     logging.basicConfig(level=logging.INFO, format="[follower] %(levelname)s %(message)s")
     # Leave with the master, even one killed with -9 (the kernel sends SIGTERM).
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
     settings = load()
     store = Store(settings.data_dir, settings.max_spaces, settings.keep_versions)
     table = Table.attach(segment_name(str(store.root)))
@@ -434,8 +434,6 @@ def main() -> None:
     follower.leave()
     table.close()
 
-
-_PR_SET_PDEATHSIG = 1
 
 if __name__ == "__main__":
     main()
