@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections.abc import Iterator
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -19,3 +21,24 @@ class ClientError(Exception):
 
     def body(self) -> dict[str, object]:
         return {"error": self.error, **self.details}
+
+
+def disk_full() -> ClientError:
+    """The answer to a deploy that found the data disk full: a 507, nothing published."""
+    return ClientError(
+        507,
+        "the data disk is full: nothing was published; free space under POLYSERVE_DATA_DIR"
+        " and deploy again",
+    )
+
+
+@contextlib.contextmanager
+def disk_full_is_507() -> Iterator[None]:
+    """Answer a full disk (ENOSPC, EDQUOT) met in the block with disk_full(); any other
+    error passes through."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in DISK_FULL:
+            raise
+        raise disk_full() from None

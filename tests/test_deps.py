@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 
 from polyserve import settings
 from polyserve.app import create_app
-from polyserve.deploy import deps, requirements
+from polyserve.deploy import deps, requirements, uvinstall
 from polyserve.errors import ClientError
 from polyserve.serve import loader
 from tests.helpers import make_tar
@@ -459,7 +459,7 @@ def test_uv_gets_none_of_the_hosts_secrets_or_uv_settings(tmp_path, monkeypatch)
     monkeypatch.setenv("POLYSERVE_DEPLOY_TOKEN_SHA256", "f" * 64)
     monkeypatch.setenv("UV_INDEX_URL", "https://elsewhere.example/simple")
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
-    env = deps._uv_environ(tmp_path, settings.load({}))
+    env = uvinstall._uv_environ(tmp_path, settings.load({}))
     assert "POLYSERVE_DEPLOY_TOKEN_SHA256" not in env and "UV_INDEX_URL" not in env
     assert env["HTTPS_PROXY"] == "http://proxy.example:3128"  # the operator's proxy holds
     assert env["UV_CACHE_DIR"] == str(tmp_path / "uv-cache")
@@ -479,7 +479,7 @@ def test_a_fleet_host_refuses_dependencies_it_cannot_install_everywhere(tmp_path
 
 def test_the_uv_binary_is_the_hosts_own_dependency():
     """uv comes with the host (the `uv` package), so no deploy depends on a PATH."""
-    command = deps.uv_command(Path("r"), Path("t"), Path("e"), settings.load({}))
+    command = uvinstall.uv_command(Path("r"), Path("t"), Path("e"), settings.load({}))
     assert Path(command[0]).is_file()
     done = subprocess.run([command[0], "--version"], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("uv ")

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from polyserve.deploy import forkserver
+from polyserve.deploy import forkclient, forkloop, forkserver, forkspares
 from polyserve.deploy.validate import validate
 from polyserve.errors import ClientError
 from tests.helpers import (
@@ -135,15 +136,15 @@ def test_a_child_that_ends_as_its_client_hangs_up_leaves_the_loop_serving():
         listener.bind(f"\0polyserve-test-{os.getpid()}")
         listener.listen(1)
         listener.setblocking(False)
-        server = forkserver._Server(listener, os.getppid())
+        server = forkloop.Server(listener, os.getppid())
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
             os._exit(0)
         pidfd = os.pidfd_open(pid)
         server.children[pid] = (theirs, pidfd)
-        server.selector.register(pidfd, forkserver.selectors.EVENT_READ, pid)
-        server.selector.register(theirs, forkserver.selectors.EVENT_READ, ("running", pid))
+        server.selector.register(pidfd, selectors.EVENT_READ, pid)
+        server.selector.register(theirs, selectors.EVENT_READ, ("running", pid))
         os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # the exit is ready first
         ours.close()  # then the hang-up
         events = server.selector.select(timeout=5)
@@ -174,10 +175,10 @@ def test_the_server_loop_ends_when_its_master_is_gone(monkeypatch):
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
         listener.bind(f"\0polyserve-test-loop-{os.getpid()}")
         listener.listen(1)
-        server = forkserver._Server(listener, master=os.getppid())
+        server = forkloop.Server(listener, master=os.getppid())
         parents = iter([os.getppid(), os.getppid(), 1])  # the master dies after two selects
-        monkeypatch.setattr(forkserver.os, "getppid", lambda: next(parents))
-        monkeypatch.setattr(forkserver, "_PARENT_CHECK_S", 0.01)
+        monkeypatch.setattr(forkloop.os, "getppid", lambda: next(parents))
+        monkeypatch.setattr(forkloop, "_PARENT_CHECK_S", 0.01)
         server.run()  # returns: before, it served on
         server.selector.close()
 
@@ -290,15 +291,15 @@ def test_a_spare_that_does_not_take_its_request_is_killed_and_reports_no_exit_st
     """A spare that has not read its request after _TAKE_S (stopped just as it was handed
     it) is killed; as when the server dies, its worker gets no exit status and validates
     in a new interpreter rather than answer 422 for the tenant's code, which never ran."""
-    monkeypatch.setattr(forkserver, "_TAKE_S", 0)
+    monkeypatch.setattr(forkspares, "_TAKE_S", 0)
     # This process is the server here: its other children are not strays to kill.
-    monkeypatch.setattr(forkserver.sandbox, "children", lambda pid: [])
+    monkeypatch.setattr(forkloop.sandbox, "children", lambda pid: [])
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
         name = f"polyserve-test-take-{os.getpid()}"
         listener.bind("\0" + name)
         listener.listen(1)
         listener.setblocking(False)
-        server = forkserver._Server(listener, os.getppid())
+        server = forkloop.Server(listener, os.getppid())
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:  # a warm spare that holds its socket and never reads what it is handed
@@ -314,10 +315,10 @@ def test_a_spare_that_does_not_take_its_request_is_killed_and_reports_no_exit_st
         try:
             until(lambda: os.getsid(pid) == pid, what="the spare's group")  # what is killed
             pidfd = os.pidfd_open(pid)
-            server.selector.register(pidfd, forkserver.selectors.EVENT_READ, pid)
+            server.selector.register(pidfd, selectors.EVENT_READ, pid)
             ours.setblocking(False)
-            server.selector.register(ours, forkserver.selectors.EVENT_READ, ("spare", pid))
-            server.ahead[pid] = forkserver._Spare(ours, pidfd, warm=True)
+            server.selector.register(ours, selectors.EVENT_READ, ("spare", pid))
+            server.spares.ahead[pid] = forkspares.Spare(ours, pidfd, warm=True)
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:
                 client.connect("\0" + name)
                 out_r, out_w = os.pipe()
@@ -328,11 +329,11 @@ def test_a_spare_that_does_not_take_its_request_is_killed_and_reports_no_exit_st
                 server.step(5)  # its request, handed to the spare
                 assert json.loads(client.recv(1024)) == {"pid": pid}
                 server.kill_overdue()  # past _TAKE_S: killed
-                until(lambda: server.step(0) or not server.untaken, what="the spare reaped")
+                until(lambda: server.step(0) or not server.spares.untaken, what="the spare reaped")
                 assert client.recv(1024) == b""  # no exit status: the end of the connection
                 os.close(out_r)
         finally:
-            if pid in server.ahead or pid in server.children:  # not reaped: still its pid
+            if pid in server.spares.ahead or pid in server.children:  # not reaped: still its pid
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
         server.selector.close()
@@ -387,7 +388,7 @@ def test_a_fork_cancelled_mid_handshake_leaves_no_descriptor_open(server):
     async def cancelled_forks() -> None:
         for delay in (0, 0.0005, 0.002, 0.01):
             task = asyncio.ensure_future(
-                forkserver.fork(server.name, ["/nonexistent", "main.py", "64", "1"], None)
+                forkclient.fork(server.name, ["/nonexistent", "main.py", "64", "1"], None)
             )
             await asyncio.sleep(delay)
             task.cancel()

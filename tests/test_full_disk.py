@@ -70,15 +70,15 @@ def test_a_full_disk_while_publishing_answers_507_and_activates_nothing(tmp_path
     data = tmp_path / "data"
     with client(data) as c:
         assert deploy(c, V1).status_code == 200
-        real = store._symlink_atomic
+        real = store.symlink_atomic
 
         def full(target, link):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(store, "_symlink_atomic", full)  # the very last step fails
+        monkeypatch.setattr(store, "symlink_atomic", full)  # the very last step fails
         r = deploy(c, V2)
         assert r.status_code == 507
         assert_v1_only(c, data)
-        monkeypatch.setattr(store, "_symlink_atomic", real)
+        monkeypatch.setattr(store, "symlink_atomic", real)
         assert deploy(c, V2).json()["version"] == 3  # 2 was skipped, never reused
         assert c.get("/s/o/s/").text == "v2"

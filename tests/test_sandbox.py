@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from polyserve.deploy import forkserver, sandbox
+from polyserve.deploy import forkclient, forkserver, sandbox
 from tests.helpers import (
     HostProcess,
     alive,
@@ -210,8 +210,8 @@ def test_a_stopped_fork_server_is_replaced(tmp_path):
 
 def test_a_worker_does_not_wait_for_a_stopped_fork_server(monkeypatch, tmp_path):
     """fork() finds the server stopped and gives up at once (its caller spawns), where it
-    waited _HANDSHAKE_S for an answer that never came."""
-    monkeypatch.setattr(forkserver, "_HANDSHAKE_S", 3600.0)  # a wait would hang the test
+    waited HANDSHAKE_S for an answer that never came."""
+    monkeypatch.setattr(forkclient, "HANDSHAKE_S", 3600.0)  # a wait would hang the test
     (tmp_path / "main.py").write_text(GOOD)
     with running_forkserver() as server:
         os.kill(server.proc.pid, signal.SIGSTOP)
@@ -219,7 +219,7 @@ def test_a_worker_does_not_wait_for_a_stopped_fork_server(monkeypatch, tmp_path)
         try:
             argv = [str(tmp_path), "main.py", "4096", "20"]
             # The bound only stops a hang: a fix answers at once.
-            got = asyncio.run(asyncio.wait_for(forkserver.fork(server.name, argv, None), 60))
+            got = asyncio.run(asyncio.wait_for(forkclient.fork(server.name, argv, None), 60))
             assert got is None
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)

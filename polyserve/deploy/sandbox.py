@@ -33,10 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from polyserve import procs
+
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWPID = 0x20000000
-_PR_SET_PDEATHSIG = 1
 _PR_CAPBSET_DROP = 24
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_NO_NEW_PRIVS = 38
@@ -71,7 +72,7 @@ def contain(namespaces: bool, forked: Callable[[int], object] | None = None) -> 
                 forked(pid)
         _keep(pid, alive_w)
     os.close(alive_w)
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    procs.die_with_parent(signal.SIGKILL)
     if select.select([alive_r], [], [], 0)[0]:  # the keeper died before the prctl
         os._exit(EXIT_KEEPER_GONE)
     os.close(alive_r)

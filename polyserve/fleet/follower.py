@@ -11,7 +11,6 @@ fleet's ledger.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from polyserve.fleet.catchup import CatchUp
 from polyserve.fleet.connection import Unreachable
 from polyserve.fleet.db import FleetDB
 from polyserve.fleet.ledger import Boot, Totals
+from polyserve.procs import die_with_parent
 from polyserve.settings import Settings, load
 from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
@@ -178,7 +178,7 @@ def main() -> None:
     """`python -m polyserve.fleet.follower`, started by the master with its environment."""
     logging.basicConfig(level=logging.INFO, format="[follower] %(levelname)s %(message)s")
     # Leave with the master, even one killed with -9 (the kernel sends SIGTERM).
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
     settings = load()
     store = Store(settings.data_dir, settings.max_spaces, settings.keep_versions)
     table = Table.attach(segment_name(str(store.root)))
@@ -191,8 +191,6 @@ def main() -> None:
     follower.leave()
     table.close()
 
-
-_PR_SET_PDEATHSIG = 1
 
 if __name__ == "__main__":
     main()

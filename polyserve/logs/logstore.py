@@ -33,6 +33,8 @@ from typing import Any
 
 import orjson
 
+from polyserve.state.files import write_atomic
+
 CURRENT = "current.log"
 RECORD_SLACK = 64 << 10  # read past the limit, to finish the last record (under 40 KiB)
 _HEADER_MAX = 64
@@ -132,9 +134,7 @@ class LogStore:
         base = _header(fd)
         with contextlib.suppress(FileExistsError):  # a writer died after this step
             os.link(directory / CURRENT, directory / f"{base}.log")
-        tmp = directory / f".new.{os.getpid()}.{threading.get_ident()}"
-        tmp.write_bytes(b'{"base":%d}\n' % (base + size))
-        os.replace(tmp, directory / CURRENT)
+        write_atomic(directory / CURRENT, b'{"base":%d}\n' % (base + size))
         for name in os.listdir(directory):
             number = name.removesuffix(".log")
             if number.isdigit() and int(number) < base:

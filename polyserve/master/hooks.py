@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import gc
 import importlib
@@ -20,8 +19,9 @@ import numpy as np
 
 from polyserve import settings as settings_mod
 from polyserve.control import auth
-from polyserve.deploy.forkserver import ForkServer, stop_child
+from polyserve.deploy.forkserver import ForkServer
 from polyserve.master.leftover import Leftover
+from polyserve.procs import die_with_parent, stop_child
 from polyserve.serve import warmup
 from polyserve.state import handoff
 from polyserve.state.handoff import Handoff
@@ -33,7 +33,6 @@ from polyserve.usage import meter
 EXIT_DATA_DIR_BUSY = os.EX_TEMPFAIL  # 75: another master serves this data directory
 EXIT_BAD_CONFIG = os.EX_CONFIG  # 78: as a bad tokens file (auth.EXIT_BAD_TOKENS_FILE)
 CHECKPOINT = "usage.json"
-_PR_SET_PDEATHSIG = 1
 _FOLLOWER_STOP_S = 15.0  # for the fleet follower's last usage write and leave
 
 
@@ -286,7 +285,7 @@ def post_fork(server: Any, worker: Any) -> None:
     handoff.hand(Handoff(_master.table, worker.polyserve_slot, forkserver))
     # A worker outlives a master killed with -9 unless told: uvicorn-worker does not
     # watch its parent. SIGTERM makes it finish its requests and fold its usage.
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
     if os.getppid() != server.pid:  # the master died before prctl took effect
         sys.exit(0)
     # polyserve logs where gunicorn's error log goes, as uvicorn-worker does for uvicorn.

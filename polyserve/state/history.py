@@ -13,11 +13,11 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 from polyserve.errors import ClientError
+from polyserve.state.files import write_atomic
 
 log = logging.getLogger("polyserve")
 # Events kept in a space's history file: trimmed to HISTORY_KEEP once it holds twice as
@@ -28,12 +28,10 @@ Event = Literal["deploy", "rollback", "delete", "release"]
 
 
 class History:
-    """Each space's history file under `spaces_dir`. `write` replaces a file whole (the
-    store's atomic write), for the trim."""
+    """Each space's history file under `spaces_dir`."""
 
-    def __init__(self, spaces_dir: Path, write: Callable[[Path, bytes], None]) -> None:
+    def __init__(self, spaces_dir: Path) -> None:
         self.spaces_dir = spaces_dir
-        self.write = write
 
     def record(self, space: str, event: Event, version: int | None, previous: int | None) -> None:
         """Append an event to the space's history (`previous`: the version current
@@ -48,7 +46,7 @@ class History:
             if size > HISTORY_KEEP * 200:
                 lines = path.read_bytes().splitlines(keepends=True)
                 if len(lines) > 2 * HISTORY_KEEP:
-                    self.write(path, b"".join(lines[-HISTORY_KEEP:]))
+                    write_atomic(path, b"".join(lines[-HISTORY_KEEP:]))
         except OSError as exc:
             # After the change it records (`current` has moved): failing the change now
             # would misreport it. A full disk costs a line of history, not the change.

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from polyserve.errors import DISK_FULL, ClientError
+from polyserve.errors import ClientError, disk_full_is_507
 from polyserve.names import DEFAULT_POOL
+from polyserve.state.files import symlink_atomic, write_atomic
 from polyserve.state.history import Event, History, rollback_target
 from polyserve.state.layout import Layout, current_number, read_int
 from polyserve.state.layout import Version as Version  # re-exported: workers import it here
@@ -63,15 +64,15 @@ class Store(Layout):
         for d in (self.spaces_dir, self.staging_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.slots = SlotLog(self.root / "slots.log", max_spaces)
-        self.history = History(self.spaces_dir, write_atomic)
+        self.history = History(self.spaces_dir)
 
     def stage(self, upload: BinaryIO, filename: str, max_unpacked: int) -> Staged:
         """Unpack an upload (a .py file or a tar) into a fresh directory and find its entry."""
         digest, size = _hash(upload)
-        with _disk_full_is_507():
+        with disk_full_is_507():
             staging = Path(tempfile.mkdtemp(dir=self.staging_dir))
         try:
-            with _disk_full_is_507():
+            with disk_full_is_507():
                 manifest, unpacked = unpack_upload(upload, staging, filename, max_unpacked)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -141,7 +142,7 @@ class Store(Layout):
         known = self.meta(space, number)
         if known is not None and known.get("sha256") != staged.sha256:
             (self.space_dir(space) / "versions" / f"{number}.json").unlink()
-        with _disk_full_is_507():
+        with disk_full_is_507():
             version_dir.parent.mkdir(parents=True, exist_ok=True)
             os.rename(staged.dir, version_dir)
         return True
@@ -159,7 +160,7 @@ class Store(Layout):
         is a deploy, any other a rollback: the history says which. Hold locked();
         returns the slot."""
         sdir = self.space_dir(space)
-        with _disk_full_is_507():
+        with disk_full_is_507():
             slot = self.slots.slot(space)
             if slot is None:
                 slot = self.slots.allocate(space, self._deleted, reclaim, sync=sync)
@@ -175,7 +176,7 @@ class Store(Layout):
             if number > read_int(sdir / "last"):
                 write_atomic(sdir / "last", str(number).encode())
                 event = "deploy"
-            _symlink_atomic(f"versions/{number}", sdir / "current")
+            symlink_atomic(f"versions/{number}", sdir / "current")
             self.history.record(space, event, number, previous)
         return slot
 
@@ -261,36 +262,3 @@ def _hash(upload: BinaryIO) -> tuple[str, int]:
         size += len(chunk)
     upload.seek(0)
     return h.hexdigest(), size
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace a file whole: readers see the old bytes or the new, never a part."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-@contextlib.contextmanager
-def _disk_full_is_507() -> Iterator[None]:
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno not in DISK_FULL:
-            raise
-        raise ClientError(
-            507,
-            "the data disk is full: nothing was published; free space under"
-            " POLYSERVE_DATA_DIR and deploy again",
-        ) from None
-
-
-def _symlink_atomic(target: str, link: Path) -> None:
-    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    os.symlink(target, tmp)
-    os.replace(tmp, link)

@@ -34,6 +34,7 @@ from typing import Literal
 
 import numpy as np
 
+from polyserve.state.files import write_atomic
 from polyserve.state.shm import H_ALIVE, H_STARTED, Table
 from polyserve.state.slots import Ledger
 
@@ -279,12 +280,7 @@ def checkpoint(table: Table, ledger: Ledger, path: Path, now: int) -> None:
             for name, values in totals_by_name(table, ledger, now).items()
         },
     }
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data).encode(), fsync=True)
     table.set_header(H_ALIVE, now)
 
 

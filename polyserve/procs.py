@@ -1,0 +1,47 @@
+"""Process helpers written once: end a process group, die with the parent, stop a child.
+
+The host's processes (the master, its workers, the fork server and its children, the
+follower, uv) end one another in a few fixed ways; each is here so that every caller
+handles the same expected races (a process or group that is already gone) the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def kill_group(pgid: int, *, denied_ok: bool = False) -> None:
+    """SIGKILL every process of group `pgid`; a group that is gone already is no error.
+    With `denied_ok`, neither is a group this process may not signal (EPERM), for a
+    caller that must not stop over it (the fork server's loop)."""
+    ignored: tuple[type[OSError], ...] = (ProcessLookupError,)
+    if denied_ok:
+        ignored += (PermissionError,)
+    with contextlib.suppress(*ignored):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def die_with_parent(sig: int) -> None:
+    """Have the kernel send this process `sig` when its parent thread exits, even of a
+    SIGKILL. A parent that died before this call is not seen by it: the caller checks
+    os.getppid() (or a pipe) afterwards."""
+    _libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def stop_child(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM a child of this process and reap it; SIGKILL it after `timeout` s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
