@@ -167,12 +167,10 @@ def _find_callable(
 
 def _model_app(path: Path, threads: int) -> modelspace.InferenceApp:
     """A deployed model file's app; a file onnxruntime cannot serve is a LoadError."""
-    from polyserve.models import onnx_session
     from polyserve.serve import modelspace
 
     try:
-        # One copy of the weights per host, as a space's own onnx_session() gives.
-        return modelspace.InferenceApp(modelspace.Model(onnx_session(path)), threads=threads)
+        return modelspace.model_app(path, threads)
     except modelspace.ModelError as exc:
         raise LoadError(f"{path.name}: {exc}", file=path.name) from None
     except Exception as exc:  # onnxruntime's own classes say what is wrong with the file

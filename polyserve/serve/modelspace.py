@@ -28,6 +28,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from polyserve.serve import protocol
+from polyserve.serve.batching import Batcher, Batching, BatchingError, read_batching
 from polyserve.serve.protocol import ProtocolError, TensorSpec
 
 log = logging.getLogger("polyserve.space")
@@ -164,6 +165,20 @@ class Model:
         self.outputs = {s.name: s for s in (outputs if outputs is not None else own_outputs)}
         self._session_outputs = [s.name for s in own_outputs]
 
+    def check_batchable(self) -> None:
+        """Refuse batching for a model whose tensors have no dynamic first axis to merge
+        requests along: the error names the first such input or output."""
+        for what, specs in (("input", self.inputs), ("output", self.outputs)):
+            for spec in specs.values():
+                if not spec.shape or spec.shape[0] != -1:
+                    first = spec.shape[0] if spec.shape else "none: a scalar"
+                    raise ModelError(
+                        f"[batching]: {what} {spec.name!r} has shape {list(spec.shape)}: batching"
+                        f" merges requests along a dynamic first dimension, and its first is"
+                        f" {first}. Export the model with a dynamic batch axis, or remove"
+                        " [batching] from polyserve.toml"
+                    )
+
     def describe(self) -> dict[str, object]:
         """The inputs and outputs, as a deploy answer and a version's metadata list them."""
         return {
@@ -231,11 +246,15 @@ def server_metadata() -> dict[str, object]:
 class InferenceApp:
     """A model served over the Open Inference Protocol, as the app of its space."""
 
-    def __init__(self, model: Model, *, threads: int = 8) -> None:
+    def __init__(self, model: Model, *, threads: int = 8, batching: Batching | None = None) -> None:
         self.model = model
         self.version: int | None = None  # set by the loader: the version it serves
         self.versions_dir: Path | None = None  # and where its space's versions are kept
         self.threads = threads
+        self.batching = batching
+        if batching is not None:
+            model.check_batchable()
+        self.batcher: Batcher | None = None  # made on the loop, at first use
         self._limiter: anyio.CapacityLimiter | None = None  # made on the loop, at first use
         self._slow = 0  # the latest runs in a row that took INLINE_S or more
 
@@ -331,7 +350,10 @@ class InferenceApp:
         return _answer(200, encoded, b"application/octet-stream", True, extra)
 
     async def _run(self, arrays: dict[str, np.ndarray], wanted: list[str]) -> dict[str, np.ndarray]:
-        """One session.run: on the loop while runs are short, else on the space's threads."""
+        """One session.run: on the loop while runs are short, else on the space's threads;
+        with batching, one batch's share."""
+        if self.batching is not None and arrays.keys() == self.model.inputs.keys():
+            return await self._batched(arrays, wanted)
         if self._slow < SLOW_RUNS:
             started = time.perf_counter()
             results = self.model.run(arrays, wanted)
@@ -347,6 +369,26 @@ class InferenceApp:
         results, took = await anyio.to_thread.run_sync(timed, limiter=self._limiter)
         self._timed(took)
         return results
+
+    async def _batched(
+        self, arrays: dict[str, np.ndarray], wanted: list[str]
+    ) -> dict[str, np.ndarray]:
+        """This request's rows of a batch: every output is computed for the whole batch,
+        since requests beside it may want others, and this one takes those it asked for."""
+        names, outputs = list(self.model.inputs), list(self.model.outputs)
+        if self.batcher is None:
+            assert self.batching is not None
+
+            def run(merged: list[np.ndarray]) -> list[np.ndarray]:
+                results = self.model.run(dict(zip(names, merged, strict=True)), outputs)
+                return [results[name] for name in outputs]
+
+            if self._limiter is None:
+                self._limiter = anyio.CapacityLimiter(self.threads)
+            self.batcher = Batcher(run, self.batching, threads=self._limiter)
+        rows = await self.batcher.submit([arrays[name] for name in names])
+        given = dict(zip(outputs, rows, strict=True))
+        return {name: given[name] for name in wanted}
 
     def _timed(self, took: float) -> None:
         # Runs in a row slower than INLINE_S: one slowed by a collection or a busy core
@@ -444,6 +486,19 @@ def _model_name(scope: Scope) -> str:
     if isinstance(name, str):
         return name
     return str(scope.get("root_path", "")).rstrip("/").rpartition("/")[2] or "model"
+
+
+def model_app(path: Path, threads: int) -> InferenceApp:
+    """A deployed model file's app, batched as its version's polyserve.toml says; one
+    copy of the weights per host, as a space's own onnx_session() gives. Raises
+    ModelError for a model the protocol (or the batching asked for) cannot serve."""
+    from polyserve.models import onnx_session
+
+    try:
+        batching = read_batching(path.parent)
+    except BatchingError as exc:
+        raise ModelError(str(exc)) from None
+    return InferenceApp(Model(onnx_session(path)), threads=threads, batching=batching)
 
 
 def inference_app(
