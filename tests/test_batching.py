@@ -229,3 +229,36 @@ def test_the_batching_table_is_read_and_checked(tmp_path: Path):
         (tmp_path / "polyserve.toml").write_text(text)
         with pytest.raises(BatchingError, match=said):
             read_batching(tmp_path)
+
+
+def test_a_client_gone_while_queued_takes_its_rows_out_of_the_queue():
+    from polyserve.serve.batching import ClientGone
+
+    gate = Gate()
+
+    async def go() -> None:
+        gone = asyncio.Event()
+
+        async def receive() -> dict[str, str]:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def stays() -> dict[str, str]:
+            await asyncio.Event().wait()  # a client that never leaves
+            return {"type": "http.disconnect"}
+
+        batcher = Batcher(gate, Batching(max_rows=8))
+        first = asyncio.ensure_future(batcher.submit([rows(0)], stays))
+        await until_calls(gate, 1)
+        leaving = asyncio.ensure_future(batcher.submit([rows(*range(5))], receive))
+        staying = asyncio.ensure_future(batcher.submit([rows(7)], stays))
+        await asyncio.sleep(0.01)
+        gone.set()
+        with pytest.raises(ClientGone):
+            await leaving
+        gate.release.set()
+        (got,) = [await first, await staying][1][:1]
+        np.testing.assert_array_equal(got, rows(7) * 2)
+
+    asyncio.run(go())
+    assert gate.calls == [1, 1]  # the five rows of the client that left never ran

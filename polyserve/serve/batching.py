@@ -38,6 +38,10 @@ Arrays = Sequence[np.ndarray]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class ClientGone(Exception):
+    """A queued call's client disconnected: its rows leave the queue."""
+
+
 class BatchingError(ValueError):
     """A `[batching]` table, or a model, that cannot be batched as asked."""
 
@@ -117,8 +121,12 @@ class Batcher:
         self.batches = 0  # calls of `run` made
         self.sizes: list[int] = []  # rows of the latest batches, for a look in tests
 
-    async def submit(self, arrays: Arrays) -> list[np.ndarray]:
-        """The outputs for these inputs' rows, computed with the rows queued beside them."""
+    async def submit(
+        self, arrays: Arrays, receive: Callable[[], Awaitable[Any]] | None = None
+    ) -> list[np.ndarray]:
+        """The outputs for these inputs' rows, computed with the rows queued beside them.
+        With the request's ASGI `receive` (its body read), a client that goes away while
+        its call is queued takes the call out of the queue: ClientGone."""
         rows = rows_of(arrays)
         loop = asyncio.get_running_loop()
         call = _Call(arrays, rows, loop.create_future())
@@ -130,12 +138,32 @@ class Batcher:
             self._draining = True
             self._drainer = loop.create_task(self._drain())
         try:
-            return await call.future
-        except asyncio.CancelledError:
-            if call in self._queue:  # not yet in a batch: leave the queue
-                self._queue.remove(call)
-                self._queued_rows -= rows
+            if receive is None or call.future.done():
+                return await call.future
+            return await self._unless_gone(call, receive)
+        except (asyncio.CancelledError, ClientGone):
+            self._leave(call)
             raise
+
+    async def _unless_gone(
+        self, call: _Call, receive: Callable[[], Awaitable[Any]]
+    ) -> list[np.ndarray]:
+        """The call's answer, unless its client disconnects first. Once the body is read,
+        the server's receive() returns only when the connection ends."""
+        watcher = asyncio.ensure_future(receive())
+        try:
+            await asyncio.wait((call.future, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not watcher.done():
+                watcher.cancel()
+        if not call.future.done() and watcher.result().get("type") == "http.disconnect":
+            raise ClientGone("the client went away while its request was queued")
+        return await call.future
+
+    def _leave(self, call: _Call) -> None:
+        if call in self._queue:  # not yet in a batch: its rows are never run
+            self._queue.remove(call)
+            self._queued_rows -= call.rows
 
     async def _drain(self) -> None:
         """Run batches until the queue is empty; each takes what queued while the last ran."""

@@ -28,7 +28,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from polyserve.serve import protocol
-from polyserve.serve.batching import Batcher, Batching, BatchingError, read_batching
+from polyserve.serve.batching import Batcher, Batching, BatchingError, ClientGone, read_batching
 from polyserve.serve.protocol import ProtocolError, TensorSpec
 
 log = logging.getLogger("polyserve.space")
@@ -330,7 +330,7 @@ class InferenceApp:
             chosen = [(out, request.binary) for out in self.model.outputs]
         wanted = [out for out, _ in chosen]
         try:
-            results = await self._run(request.inputs, wanted)
+            results = await self._run(request.inputs, wanted, receive)
         except Exception as exc:
             # onnxruntime refuses values it cannot compute with as InvalidArgument, and a
             # space's pre() raises ValueError for input it cannot use: the client's to
@@ -349,11 +349,13 @@ class InferenceApp:
         extra = [(b"inference-header-content-length", b"%d" % json_length)]
         return _answer(200, encoded, b"application/octet-stream", True, extra)
 
-    async def _run(self, arrays: dict[str, np.ndarray], wanted: list[str]) -> dict[str, np.ndarray]:
+    async def _run(
+        self, arrays: dict[str, np.ndarray], wanted: list[str], receive: Receive
+    ) -> dict[str, np.ndarray]:
         """One session.run: on the loop while runs are short, else on the space's threads;
         with batching, one batch's share."""
         if self.batching is not None and arrays.keys() == self.model.inputs.keys():
-            return await self._batched(arrays, wanted)
+            return await self._batched(arrays, wanted, receive)
         if self._slow < SLOW_RUNS:
             started = time.perf_counter()
             results = self.model.run(arrays, wanted)
@@ -371,7 +373,7 @@ class InferenceApp:
         return results
 
     async def _batched(
-        self, arrays: dict[str, np.ndarray], wanted: list[str]
+        self, arrays: dict[str, np.ndarray], wanted: list[str], receive: Receive
     ) -> dict[str, np.ndarray]:
         """This request's rows of a batch: every output is computed for the whole batch,
         since requests beside it may want others, and this one takes those it asked for."""
@@ -386,7 +388,10 @@ class InferenceApp:
             if self._limiter is None:
                 self._limiter = anyio.CapacityLimiter(self.threads)
             self.batcher = Batcher(run, self.batching, threads=self._limiter)
-        rows = await self.batcher.submit([arrays[name] for name in names])
+        try:
+            rows = await self.batcher.submit([arrays[name] for name in names], receive)
+        except ClientGone as exc:
+            raise ProtocolError(str(exc)) from None
         given = dict(zip(outputs, rows, strict=True))
         return {name: given[name] for name in wanted}
 
