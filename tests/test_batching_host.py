@@ -46,6 +46,10 @@ def infer(host: HostProcess, space: str, x: np.ndarray) -> httpx.Response:
     return httpx.post(f"{host.url}/v2/models/{space}/infer", json=body, timeout=60)
 
 
+def usage(host: HostProcess, space: str) -> dict:
+    return host.get("/_polyserve/usage").json()["spaces"][space]
+
+
 def output(answer: httpx.Response) -> np.ndarray:
     assert answer.status_code == 200, answer.text
     (y,) = answer.json()["outputs"]
@@ -66,8 +70,16 @@ def test_concurrent_infers_each_get_exactly_their_own_rows(host):
     # The validation built the prepacked weights every worker maps.
     assert list(host.data_dir.rglob(".model.onnx.prepacked-*/model.onnx"))
     xs = inputs(64)
+    rows = sum(len(x) for x in xs)
     alone = [output(infer(host, "b/mm", x)) for x in xs]  # one at a time: batches of one
+    seen = usage(host, "b/mm")
+    assert (seen["requests"], seen["batches"], seen["batch_rows"]) == (64, 64, rows)
     together = [output(a) for a in concurrently([lambda x=x: infer(host, "b/mm", x) for x in xs])]
+    seen = usage(host, "b/mm")
+    assert seen["requests"] == 128 and seen["batch_rows"] == 2 * rows
+    assert seen["batches"] < 128, "no two concurrent infers shared a batch"
+    metrics = host.get("/metrics").text
+    assert f'polyserve_space_batches_total{{space="b/mm"}} {seen["batches"]}.0' in metrics
     local = ort.InferenceSession(MODEL, providers=["CPUExecutionProvider"])
     for x, one, many in zip(xs, alone, together, strict=True):
         (expected,) = local.run(None, {"X": x})

@@ -31,6 +31,8 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
+from polyserve.logs import spacelog
+
 MANIFEST = "polyserve.toml"
 MAX_ROWS_LIMIT = 1 << 20  # a bound on the setting itself, so a typo cannot ask for more
 
@@ -213,6 +215,10 @@ class Batcher:
             ]
         total = sum(call.rows for call in batch)
         self.batches += 1
+        tag = spacelog.CURRENT.get()  # the version whose request started this drain
+        if tag is not None:
+            tag.batches += 1
+            tag.batch_rows += total
         self.sizes = [*self.sizes[-63:], total]
         try:
             if self._async:
