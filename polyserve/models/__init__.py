@@ -36,7 +36,7 @@ from typing import Any
 from polyserve.models import prepacked
 from polyserve.serve.batching import batched
 from polyserve.serve.modelspace import InferenceApp, inference_app
-from polyserve.serve.protocol import TensorSpec as Tensor
+from polyserve.serve.tensors import TensorSpec as Tensor
 
 log = logging.getLogger("polyserve.models")
 
