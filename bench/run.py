@@ -254,6 +254,62 @@ def scenario_inference(args, tmp: Path) -> dict:
     }
 
 
+SWEEP = (1, 2, 4, 8, 16, 32, 64)
+
+
+def scenario_batching(args, tmp: Path) -> dict:
+    """A weight-bound model with [batching] against the same model without, one worker."""
+    import batching
+    import matmul
+
+    model = matmul.model()
+    body = batching.body(tmp)
+    with polyserve(1, tmp / "batching") as a:
+        for space, batched in (("lee101/batched", True), ("lee101/plain", False)):
+            deploy(a.url, space, "m.tar", batching.model_tar(model, batched))
+        on, off = (a.url + f"/v2/models/lee101/{s}/infer" for s in ("batched", "plain"))
+        for url in (on, off):
+            body.check(url)
+        # Fewer rounds than an A/B of one connection count: seven counts, side by side.
+        sweep_args = argparse.Namespace(**{**vars(args), "ab_rounds": args.rounds})
+        sweep = ab_rounds(on, off, sweep_args, connections=SWEEP, scripts=(body.script,) * 2)
+        usage = httpx2.get(a.url + "/_polyserve/usage").json()["spaces"]["lee101/batched"]
+        json_body = batching.json_body(tmp)
+        with batching.mlserver(tmp, model) as b:
+            mlserver_url = b.url + "/v2/models/matmul/infer"
+            json_body.check(mlserver_url)
+            vs_mlserver = ab_rounds(
+                on, mlserver_url, args, connections=(32,), scripts=(body.script, json_body.script)
+            )
+    path = tmp / "matmul.onnx"
+    path.write_bytes(model)
+    rows8 = batching.eight_rows(path)
+    c1, c32 = sweep["c1"], sweep["c32"]
+    p99 = c32["a_p99_ms"] / c32["b_p99_ms"]
+    goals = {
+        "rps_c32": c32["rps_ratio"] >= 6,
+        "p99_c32": p99 <= 0.5,
+        "p50_c1": c1["p50_ratio"] <= 1.05,
+        "mlserver_rps_c32": vs_mlserver["c32"]["rps_ratio"] >= 5,
+        "eight_rows": rows8["ratio"] <= 1.1,
+    }
+    return {
+        "a": "a 20 MiB MatMul model space with [batching] max_rows = 64, binary V2 infers of"
+        " one row, 1 worker",
+        "b": "the same model space without [batching] (same host); then MLServer 1.7.1 with"
+        " adaptive batching (max_batch_size 64, max_batch_time 1 ms) over V2 JSON",
+        "goal": ">= 6x throughput and p99 <= 0.5x at -c 32, p50 within 5% at -c 1; >= 5x"
+        " MLServer at -c 32; an 8-row call within 10% of a plain prepacked session's",
+        "met": all(goals.values()),
+        "goals": goals,
+        "p99_ratio_c32": round(p99, 3),
+        **sweep,
+        "vs_mlserver": vs_mlserver,
+        "eight_rows": rows8,
+        "usage": {k: usage.get(k) for k in ("requests", "batches")},
+    }
+
+
 # -- cold start, density, deploy, metering ---------------------------------------------
 
 
@@ -612,6 +668,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
     "model sharing": scenario_sharing,
     "memory cap": scenario_memory_cap,
     "inference protocol": scenario_inference,
+    "batching": scenario_batching,
 }
 
 

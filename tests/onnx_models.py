@@ -51,3 +51,21 @@ def add(value: float, width: int = 4) -> bytes:
         [constant],
     )
     return _model(graph)
+
+
+def matmul(k: int = 256, m: int = 320, seed: int = 0, fixed_rows: int | None = None) -> bytes:
+    """Y = X @ W + B, X of shape [rows, k] FP32 and W a (k, m) initializer of random
+    normals: a weight-bound model, large enough (k·m·4 bytes) to be mapped and prepacked.
+    `fixed_rows` fixes X's first dimension (a model that cannot be batched)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((k, m), dtype=np.float32)
+    b = rng.standard_normal(m, dtype=np.float32)
+    rows = fixed_rows if fixed_rows is not None else "rows"
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "W"], ["H"]), helper.make_node("Add", ["H", "B"], ["Y"])],
+        "matmul",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [rows, k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [rows, m])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "B")],
+    )
+    return _model(graph)

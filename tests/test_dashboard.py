@@ -90,6 +90,21 @@ def watch(page: Any) -> list[str]:
     return problems
 
 
+BATCHED = """
+import numpy as np
+from polyserve.models import batched
+
+
+@batched(max_rows=8)
+def double(x):
+    return x * 2
+
+
+async def handle(request):
+    return {"y": (await double(np.zeros((2, 3)))).tolist()}
+"""
+
+
 def test_the_dashboard_shows_real_figures_logs_and_updates_without_a_reload(
     host_factory, browser, tmp_path
 ):
@@ -98,10 +113,12 @@ def test_the_dashboard_shows_real_figures_logs_and_updates_without_a_reload(
         ("lee101/alpha", ALPHA),
         ("lee101/beta", BETA.format(version=1)),
         ("lee101/beta", BETA.format(version=2)),
+        ("lee101/gamma", BATCHED),
     ):
         assert h.deploy(space, source).status_code == 200
     call(h, "lee101/alpha", range(1, 4))
     call(h, "lee101/beta", range(5))
+    call(h, "lee101/gamma", range(3))  # three batches of two rows each
     page = browser.new_page(viewport={"width": 1280, "height": 860})
     problems = watch(page)
     page.goto(h.url + "/_polyserve/")
@@ -115,6 +132,9 @@ def test_the_dashboard_shows_real_figures_logs_and_updates_without_a_reload(
     expect(page.locator("#host")).to_contain_text("workers2")
     usage = h.get("/_polyserve/usage").json()["spaces"]["lee101/beta"]
     expect(beta.locator("td.cold")).to_have_text(str(usage["cold_starts"]))
+    gamma = page.locator('tbody[data-space="lee101/gamma"]')
+    expect(gamma.locator("td.batch")).to_have_text("2.0")  # rows per batch
+    expect(alpha.locator("td.batch")).to_have_text("\u2013")  # a dash: a space that does not batch
 
     # Its details: the lines the space printed and logged, the hostile one as text.
     alpha.locator("button.toggle").click()

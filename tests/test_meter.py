@@ -207,6 +207,8 @@ def test_a_slot_is_reclaimable_only_once_nobody_holds_or_warms_it():
         Cell.EVICTED_IDLE: 0,
         Cell.EVICTED_MEMORY: 0,
         Cell.EVICTED_DEMAND: 0,
+        Cell.BATCHES: 0,
+        Cell.BATCH_ROWS: 0,
     }
 
 

@@ -253,6 +253,13 @@ def version_dir(host, space: str, number: int) -> Path:
     return (host.data_dir / "spaces" / space / "versions" / str(number)).resolve()
 
 
+def weights(version: Path) -> Path:
+    """The file the workers map a version's weights from: the prepacked data its validation
+    built (polyserve.models.prepacked), found beside model.onnx."""
+    (found,) = version.glob(".model.onnx.prepacked-*/model.onnx.data")
+    return found
+
+
 def test_four_workers_hold_one_copy_of_a_model(host4, big_tar):
     """After 4 workers serve a 40 MiB model, their memory grows by about one copy, not four."""
     r = host4.deploy("models/one-copy", big_tar, "space.tar")
@@ -261,7 +268,7 @@ def test_four_workers_hold_one_copy_of_a_model(host4, big_tar):
     answers = served_by_every_worker(host4, "models/one-copy")
     after = workers_memory(host4)
     grown = {key: (after[key] - before[key]) / COPY for key in before}
-    model = version_dir(host4, "models/one-copy", 1) / "model.onnx"
+    model = weights(version_dir(host4, "models/one-copy", 1))
     assert 0.9 < file_pss(host4, model) / COPY < 1.1  # the weights: resident, counted once
     assert grown["Anonymous"] < 0.25, grown  # a copy per worker would be 4
     # All of it: the weights, and onnxruntime's code pages the first inference faults in.
@@ -279,7 +286,8 @@ def test_four_workers_hold_one_copy_of_a_model(host4, big_tar):
 
 
 def test_the_validators_import_leaves_no_copy_behind(host4, big_tar):
-    """After a deploy's 200 no process maps the model; the version holds the upload's files only."""
+    """After a deploy's 200 no process maps the model; the version holds the upload and its
+    prepacked weights."""
 
     def big_files() -> set[Path]:
         found = (p.resolve() for p in host4.data_dir.rglob("*") if p.is_file())
@@ -289,9 +297,17 @@ def test_the_validators_import_leaves_no_copy_behind(host4, big_tar):
     r = host4.deploy("models/validated", big_tar, "space.tar")
     assert r.status_code == 200, r.text
     version = version_dir(host4, "models/validated", 1)
+    packed = weights(version)
     assert mappers(host4, version / "model.onnx", anywhere=True) == set()  # validator gone
-    assert {p.name for p in version.iterdir()} <= {"main.py", "model.onnx", "__pycache__"}
-    assert big_files() - big_before == {version / "model.onnx"}  # the upload, nothing more
+    assert mappers(host4, packed, anywhere=True) == set()
+    # The upload's files, their bytecode, and the prepacked weights the validation built.
+    assert {p.name for p in version.iterdir()} <= {
+        "main.py",
+        "model.onnx",
+        "__pycache__",
+        packed.parent.name,
+    }
+    assert big_files() - big_before == {version / "model.onnx", packed}
     assert (workers_memory(host4)["Pss"] - before["Pss"]) < COPY / 4
 
 
@@ -302,7 +318,7 @@ def test_a_hot_swap_serves_the_new_model_and_frees_the_old_pages(host4):
     copy = shape[0] * shape[1] * 4
     assert host4.deploy(space, matmul.space_tar(matmul.model(*shape, seed=1)), "s.tar").is_success
     served_by_every_worker(host4, space)
-    old = version_dir(host4, space, 1) / "model.onnx"
+    old = weights(version_dir(host4, space, 1))
     assert len(mappers(host4, old)) == 4
     mapped_v1 = workers_memory(host4)["Pss_File"]
     r = host4.deploy(space, matmul.space_tar(matmul.model(*shape, seed=2)), "s.tar")
@@ -311,7 +327,7 @@ def test_a_hot_swap_serves_the_new_model_and_frees_the_old_pages(host4):
     answers = [host4.get(f"/s/{space}/").json()["sum"] for _ in range(40)]
     assert all(a == pytest.approx(new_sum, rel=1e-4) for a in answers), (answers, old_sum)
     until(lambda: not mappers(host4, old), what="every worker to unmap v1's model")
-    new = version_dir(host4, space, 2) / "model.onnx"
+    new = weights(version_dir(host4, space, 2))
     until(lambda: len(mappers(host4, new)) == 4, what="every worker to map v2's model")
     # v1's pages left the workers: their file-backed memory is back where it was.
     assert abs(workers_memory(host4)["Pss_File"] - mapped_v1) < copy / 4

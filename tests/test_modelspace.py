@@ -10,8 +10,9 @@ import numpy as np
 import onnxruntime as ort
 import orjson
 
-from polyserve.serve.modelspace import INLINE_S, SLOW_RUNS, InferenceApp, Model, parse
+from polyserve.serve.modelspace import INLINE_S, SLOW_RUNS, InferenceApp, Model
 from polyserve.serve.protocol import TensorSpec
+from polyserve.serve.routes import parse
 from tests.helpers import REPO
 from tests.onnx_models import add
 

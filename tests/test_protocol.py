@@ -8,8 +8,9 @@ import numpy as np
 import orjson
 import pytest
 
-from polyserve.serve.modelspace import parse
-from polyserve.serve.protocol import DTYPES, ProtocolError, TensorSpec, decode, encode
+from polyserve.serve.protocol import decode, encode
+from polyserve.serve.routes import parse
+from polyserve.serve.tensors import DTYPES, ProtocolError, TensorSpec
 
 X = TensorSpec("X", "FP32", (-1, 4))
 INPUTS = {"X": X}

@@ -188,6 +188,14 @@ SCHEMAS: dict[str, Any] = {
                             " host's workers (model weights through"
                             " polyserve.models), each range counted once per host",
                         },
+                        "batches": {
+                            "type": "integer",
+                            "description": "batched runs made (docs/batching.md)",
+                        },
+                        "batch_rows": {
+                            "type": "integer",
+                            "description": "rows those runs computed, all batches together",
+                        },
                         **{
                             f"evicted_{reason}": {"type": "integer", "description": doc}
                             for reason, doc in (

@@ -152,6 +152,10 @@ async def run(argv: list[str]) -> NoReturn:
     # PYTHONDONTWRITEBYTECODE, so nothing else would write it). Files that do not
     # compile are reported by the import below if the entry actually uses them.
     compileall.compile_dir(str(root), quiet=2, workers=1)
+    if any(root.rglob("*.onnx")):  # and the models it may load get prepacked weights built
+        from polyserve.models import prepacked
+
+        prepacked.PREPARE = True
     result, cause = await _check(root, entry, timeout, deps)
     if isinstance(cause, MemoryError):
         result["error"] = (

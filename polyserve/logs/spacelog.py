@@ -95,6 +95,10 @@ class Tag:
         self.partial: dict[str, str] = {}  # per stream: a line not yet ended
         self.cut: set[str] = set()  # streams whose last line was sent on before its end
         self.lock = threading.Lock()
+        # The runs its batchers made (polyserve.serve.batching) and their rows, not yet
+        # metered: the tag is the one object of a version its tasks all reach, and
+        # dispatch moves these into the worker's row after each request.
+        self.batches = self.batch_rows = 0
 
     # -- what the space says -----------------------------------------------------
 

@@ -33,12 +33,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from polyserve.models import prepacked
+from polyserve.serve.batching import batched
 from polyserve.serve.modelspace import InferenceApp, inference_app
-from polyserve.serve.protocol import TensorSpec as Tensor
+from polyserve.serve.tensors import TensorSpec as Tensor
 
 log = logging.getLogger("polyserve.models")
 
-__all__ = ["InferenceApp", "Tensor", "inference_app", "onnx_session", "skeleton"]
+__all__ = ["InferenceApp", "Tensor", "batched", "inference_app", "onnx_session", "skeleton"]
 
 MIN_BYTES = 4096  # smaller tensors stay inline: a page or less, not worth a mapping
 
@@ -93,6 +95,10 @@ def onnx_session(
     if int(options.graph_optimization_level) > int(extended):
         options.graph_optimization_level = extended
     if not prepack:
+        # Prepacked weights in a file the validation built, mapped: batches at full speed.
+        found = prepacked.session(path, options, providers, min_bytes)
+        if found is not None:
+            return found
         options.add_session_config_entry("session.disable_prepacking", "1")
     if rewritten is None:  # every large tensor is external data already: mapped as it is
         return ort.InferenceSession(str(path), options, providers=list(providers))

@@ -86,6 +86,10 @@ class Dispatch:
                 # version ends, its slot may be handed to another space.
                 if not metered:
                     count(status)
+                tag = active.imported.log
+                if tag.batches:  # the runs its batchers made meanwhile, whoever waited
+                    self.meter.batched(slot, tag.batches, tag.batch_rows)
+                    tag.batches = tag.batch_rows = 0
                 self.registry.end_lease(active)
         finally:
             if not metered:  # a cancelled lease, a client gone: in flight drops all the same

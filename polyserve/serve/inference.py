@@ -20,8 +20,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from polyserve.errors import ClientError
 from polyserve.names import is_owner
-from polyserve.serve import modelspace, protocol
-from polyserve.serve.modelspace import Answer, ProtocolError, Route
+from polyserve.serve import protocol, routes
+from polyserve.serve.routes import Answer, Route
+from polyserve.serve.tensors import ProtocolError
 
 if TYPE_CHECKING:
     from polyserve.control.plane import ControlPlane
@@ -39,7 +40,7 @@ class InferenceRoutes:
             await send({"type": "websocket.close", "code": 1008})
             return
         try:
-            route = modelspace.parse(path, scope["method"], 2)
+            route = routes.parse(path, scope["method"], 2)
             assert route is not None, "HostApp sends only paths under /v2"
             if route.model is not None and not all(map(is_owner, route.model.split("/"))):
                 raise ProtocolError(
@@ -53,9 +54,9 @@ class InferenceRoutes:
                 return
             found = await self._answer(route, scope, receive)
         except ProtocolError as exc:
-            found = modelspace.error_answer(exc)
+            found = routes.error_answer(exc)
         except ClientError as exc:  # auth, and the host's own refusals
-            found = modelspace.json_answer(exc.status, exc.body())
+            found = routes.json_answer(exc.status, exc.body())
         await send(
             {"type": "http.response.start", "status": found.status, "headers": found.headers}
         )
@@ -64,32 +65,30 @@ class InferenceRoutes:
     async def _answer(self, route: Route, scope: Scope, receive: Receive) -> Answer:
         op = route.op
         if op == "server":
-            return modelspace.json_answer(200, modelspace.server_metadata())
+            return routes.json_answer(200, routes.server_metadata())
         if op in ("live", "ready"):
-            return modelspace.json_answer(200, {op: True})
+            return routes.json_answer(200, {op: True})
         if op == "index":
-            return modelspace.json_answer(200, await self._thread(self._index))
+            return routes.json_answer(200, await self._thread(self._index))
         space = route.model or ""
         if op in ("load", "unload"):
             request = Request(scope, receive)
             self.control.auth.allow(self.control._writer(request), space)
             if op == "unload":
                 status, body = await self.control.running.deploys.release(space)
-                return modelspace.json_answer(status, {"name": space, "unloaded": True, **body})
+                return routes.json_answer(status, {"name": space, "unloaded": True, **body})
             await self._warm(space)
-            return modelspace.json_answer(200, {"name": space, "loaded": True})
+            return routes.json_answer(200, {"name": space, "loaded": True})
         meta = await self._thread(self._model_meta, space)
         version = int(str(meta["version"]))
-        modelspace.check_version(space, route, version)
+        routes.check_version(space, route, version)
         if op == "model_ready":
-            return modelspace.json_answer(200, {"name": space, "ready": True})
+            return routes.json_answer(200, {"name": space, "ready": True})
         host = self.control.running
-        versions = await self._thread(
-            modelspace.kept_models, host.store.space_dir(space) / "versions"
-        )
+        versions = await self._thread(routes.kept_models, host.store.space_dir(space) / "versions")
         inputs = protocol.specs(meta.get("inputs")).values()
         outputs = protocol.specs(meta.get("outputs")).values()
-        return modelspace.json_answer(
+        return routes.json_answer(
             200, protocol.metadata(space, versions or [version], inputs, outputs)
         )
 

@@ -166,14 +166,17 @@ def _find_callable(
 
 
 def _model_app(path: Path, threads: int) -> modelspace.InferenceApp:
-    """A deployed model file's app; a file onnxruntime cannot serve is a LoadError."""
+    """A deployed model file's app, batched as its version's polyserve.toml says; a file
+    onnxruntime cannot serve (or not batch as asked) is a LoadError."""
     from polyserve.models import onnx_session
-    from polyserve.serve import modelspace
+    from polyserve.serve import batching, modelspace
 
     try:
+        asked = batching.read_batching(path.parent)
         # One copy of the weights per host, as a space's own onnx_session() gives.
-        return modelspace.InferenceApp(modelspace.Model(onnx_session(path)), threads=threads)
-    except modelspace.ModelError as exc:
+        model = modelspace.Model(onnx_session(path))
+        return modelspace.InferenceApp(model, threads=threads, batching=asked)
+    except (modelspace.ModelError, batching.BatchingError) as exc:
         raise LoadError(f"{path.name}: {exc}", file=path.name) from None
     except Exception as exc:  # onnxruntime's own classes say what is wrong with the file
         message = scrub_paths(f"{type(exc).__name__}: {exc}", path.parent)

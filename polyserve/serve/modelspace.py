@@ -17,18 +17,27 @@ import logging
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import anyio.to_thread
 import numpy as np
-import orjson
 from starlette.types import Receive, Scope, Send
 
-from polyserve.serve import protocol
-from polyserve.serve.protocol import ProtocolError, TensorSpec
+from polyserve.serve import protocol, routes
+from polyserve.serve.batching import Batcher, Batching, ClientGone
+from polyserve.serve.routes import (
+    Answer,
+    Route,
+    check_version,
+    error_answer,
+    json_answer,
+    kept_models,
+    parse,
+    server_metadata,
+)
+from polyserve.serve.tensors import ProtocolError, TensorSpec
 
 log = logging.getLogger("polyserve.space")
 
@@ -54,66 +63,9 @@ MAX_BODY_MB = 64  # an infer body's bound outside a host (POLYSERVE_MAX_INFER_MB
 INLINE_S = 0.001
 SLOW_RUNS = 3  # that many runs in a row over INLINE_S move the next to the threads
 
-Op = Literal["server", "live", "ready", "model", "model_ready", "infer", "index", "load", "unload"]
-_BILLED: frozenset[Op] = frozenset(("infer",))
-_METHODS: dict[Op, str] = {
-    "infer": "POST",
-    "index": "POST",
-    "load": "POST",
-    "unload": "POST",
-}
-
 
 class ModelError(Exception):
     """A model the protocol cannot serve (a non-tensor input, a type it cannot carry)."""
-
-
-@dataclass(frozen=True)
-class Route:
-    """What a protocol path asks: the operation, and the model and version it names."""
-
-    op: Op
-    model: str | None = None
-    version: str | None = None
-
-    @property
-    def billed(self) -> bool:
-        return self.op in _BILLED
-
-
-def parse(path: str, method: str, name_parts: int) -> Route | None:
-    """The protocol route of a path under `/v2` (None: not one). A model name is
-    `name_parts` segments: two at the host's root (owner/name), one under a space's
-    prefix. Raises ProtocolError for a protocol path with the wrong method or shape."""
-    parts = path.strip("/").split("/")
-    if parts[0] != "v2":
-        return None
-    rest = parts[1:]
-    route: Route | None = None
-    if not rest:
-        route = Route("server")
-    elif rest[0] == "health" and len(rest) == 2 and rest[1] in ("live", "ready"):
-        route = Route("live" if rest[1] == "live" else "ready")
-    elif rest[0] == "models" and len(rest) > name_parts:
-        model = "/".join(rest[1 : 1 + name_parts])
-        tail, version = rest[1 + name_parts :], None
-        if len(tail) >= 2 and tail[0] == "versions":
-            version, tail = tail[1], tail[2:]
-        op = {(): "model", ("ready",): "model_ready", ("infer",): "infer"}.get(tuple(tail))
-        if op is not None:
-            route = Route(op, model, version)  # type: ignore[arg-type]
-    elif rest == ["repository", "index"]:
-        route = Route("index")
-    elif rest[:2] == ["repository", "models"] and len(rest) == 3 + name_parts:
-        op = rest[-1]
-        if op in ("load", "unload"):
-            route = Route(op, "/".join(rest[2 : 2 + name_parts]))  # type: ignore[arg-type]
-    if route is None:
-        raise ProtocolError(f"no such route of the inference protocol: {path[:200]}", 404)
-    wanted = _METHODS.get(route.op, "GET")
-    if method != wanted and not (wanted == "GET" and method == "HEAD"):
-        raise ProtocolError(f"{path[:200]} takes {wanted}, not {method}", 405)
-    return route
 
 
 def tensor_specs(args: Sequence[Any], what: str, strict: bool) -> list[TensorSpec]:
@@ -164,6 +116,20 @@ class Model:
         self.outputs = {s.name: s for s in (outputs if outputs is not None else own_outputs)}
         self._session_outputs = [s.name for s in own_outputs]
 
+    def check_batchable(self) -> None:
+        """Refuse batching for a model whose tensors have no dynamic first axis to merge
+        requests along: the error names the first such input or output."""
+        for what, specs in (("input", self.inputs), ("output", self.outputs)):
+            for spec in specs.values():
+                if not spec.shape or spec.shape[0] != -1:
+                    first = spec.shape[0] if spec.shape else "none: a scalar"
+                    raise ModelError(
+                        f"[batching]: {what} {spec.name!r} has shape {list(spec.shape)}: batching"
+                        f" merges requests along a dynamic first dimension, and its first is"
+                        f" {first}. Export the model with a dynamic batch axis, or remove"
+                        " [batching] from polyserve.toml"
+                    )
+
     def describe(self) -> dict[str, object]:
         """The inputs and outputs, as a deploy answer and a version's metadata list them."""
         return {
@@ -186,56 +152,18 @@ class Model:
         return {name: np.asarray(given[name]) for name in wanted}
 
 
-@dataclass
-class Answer:
-    """A response in hand: dispatch sends it, and bills it when `billed`."""
-
-    status: int
-    body: bytes
-    headers: list[tuple[bytes, bytes]]
-    billed: bool = False
-
-    @property
-    def error(self) -> bool:
-        return self.status >= 400
-
-
-_JSON = b"application/json"
-
-
-def json_answer(status: int, value: object, billed: bool = False) -> Answer:
-    return _answer(status, orjson.dumps(value), _JSON, billed)
-
-
-def _answer(
-    status: int, body: bytes, media: bytes, billed: bool, extra: Sequence[tuple[bytes, bytes]] = ()
-) -> Answer:
-    headers = [(b"content-length", b"%d" % len(body)), (b"content-type", media), *extra]
-    return Answer(status, body, headers, billed)
-
-
-def error_answer(exc: ProtocolError, billed: bool = False) -> Answer:
-    return _answer(exc.status, exc.body(), _JSON, billed)
-
-
-def server_metadata() -> dict[str, object]:
-    from polyserve import __version__
-
-    return {
-        "name": "polyserve",
-        "version": __version__,
-        "extensions": ["binary_tensor_data", "model_repository"],
-    }
-
-
 class InferenceApp:
     """A model served over the Open Inference Protocol, as the app of its space."""
 
-    def __init__(self, model: Model, *, threads: int = 8) -> None:
+    def __init__(self, model: Model, *, threads: int = 8, batching: Batching | None = None) -> None:
         self.model = model
         self.version: int | None = None  # set by the loader: the version it serves
         self.versions_dir: Path | None = None  # and where its space's versions are kept
         self.threads = threads
+        self.batching = batching
+        if batching is not None:
+            model.check_batchable()
+        self.batcher: Batcher | None = None  # made on the loop, at first use
         self._limiter: anyio.CapacityLimiter | None = None  # made on the loop, at first use
         self._slow = 0  # the latest runs in a row that took INLINE_S or more
 
@@ -256,7 +184,7 @@ class InferenceApp:
         """The answer to one request under the space's prefix (or to `route`, which the
         host parsed at its root), reading a body of at most `max_body` bytes. A bad
         request is a 4xx in the protocol's error form."""
-        name = route.model if route is not None and route.model else _model_name(scope)
+        name = route.model if route is not None and route.model else routes.model_name(scope)
         billed = False
         try:
             if route is None:
@@ -311,7 +239,7 @@ class InferenceApp:
             chosen = [(out, request.binary) for out in self.model.outputs]
         wanted = [out for out, _ in chosen]
         try:
-            results = await self._run(request.inputs, wanted)
+            results = await self._run(request.inputs, wanted, receive)
         except Exception as exc:
             # onnxruntime refuses values it cannot compute with as InvalidArgument, and a
             # space's pre() raises ValueError for input it cannot use: the client's to
@@ -326,12 +254,17 @@ class InferenceApp:
             ((out, results[out], binary) for out, binary in chosen),
         )
         if json_length is None:
-            return _answer(200, encoded, _JSON, True)
+            return routes.answer(200, encoded, routes.JSON, True)
         extra = [(b"inference-header-content-length", b"%d" % json_length)]
-        return _answer(200, encoded, b"application/octet-stream", True, extra)
+        return routes.answer(200, encoded, b"application/octet-stream", True, extra)
 
-    async def _run(self, arrays: dict[str, np.ndarray], wanted: list[str]) -> dict[str, np.ndarray]:
-        """One session.run: on the loop while runs are short, else on the space's threads."""
+    async def _run(
+        self, arrays: dict[str, np.ndarray], wanted: list[str], receive: Receive
+    ) -> dict[str, np.ndarray]:
+        """One session.run: on the loop while runs are short, else on the space's threads;
+        with batching, one batch's share."""
+        if self.batching is not None and arrays.keys() == self.model.inputs.keys():
+            return await self._batched(arrays, wanted, receive)
         if self._slow < SLOW_RUNS:
             started = time.perf_counter()
             results = self.model.run(arrays, wanted)
@@ -347,6 +280,29 @@ class InferenceApp:
         results, took = await anyio.to_thread.run_sync(timed, limiter=self._limiter)
         self._timed(took)
         return results
+
+    async def _batched(
+        self, arrays: dict[str, np.ndarray], wanted: list[str], receive: Receive
+    ) -> dict[str, np.ndarray]:
+        """This request's rows of a batch: every output is computed for the whole batch,
+        since requests beside it may want others, and this one takes those it asked for."""
+        names, outputs = list(self.model.inputs), list(self.model.outputs)
+        if self.batcher is None:
+            assert self.batching is not None
+
+            def run(merged: list[np.ndarray]) -> list[np.ndarray]:
+                results = self.model.run(dict(zip(names, merged, strict=True)), outputs)
+                return [results[name] for name in outputs]
+
+            if self._limiter is None:
+                self._limiter = anyio.CapacityLimiter(self.threads)
+            self.batcher = Batcher(run, self.batching, threads=self._limiter)
+        try:
+            rows = await self.batcher.submit([arrays[name] for name in names], receive)
+        except ClientGone as exc:
+            raise ProtocolError(str(exc)) from None
+        given = dict(zip(outputs, rows, strict=True))
+        return {name: given[name] for name in wanted}
 
     def _timed(self, took: float) -> None:
         # Runs in a row slower than INLINE_S: one slowed by a collection or a busy core
@@ -406,44 +362,6 @@ def _decompressed(body: bytes, encoding: bytes, max_body: int) -> bytes:
 
 def _too_large(max_body: int) -> str:
     return f"an infer body is at most {max_body >> 20} MiB"
-
-
-def check_version(name: str, route: Route, current: int) -> None:
-    """A route naming a version calls the current one (kept versions are not callable yet)."""
-    if route.version is not None and route.version != str(current):
-        raise ProtocolError(
-            f"model {name} has no version {route.version[:40]!r} to call: its current"
-            f" version is {current} (or leave the version out)",
-            404,
-        )
-
-
-def kept_models(versions_dir: Path) -> list[int]:
-    """The kept versions of a space (its `versions` directory) that are models."""
-    found = []
-    try:
-        entries = list(versions_dir.iterdir())
-    except FileNotFoundError:
-        return []
-    for path in entries:
-        if path.suffix != ".json" or not path.stem.isdigit():
-            continue
-        try:
-            meta = orjson.loads(path.read_bytes())
-        except (OSError, orjson.JSONDecodeError):  # pruned while listed, or half-written
-            continue
-        if isinstance(meta, dict) and meta.get("kind") == "model":
-            found.append(int(path.stem))
-    return sorted(found)
-
-
-def _model_name(scope: Scope) -> str:
-    """The model's name: the space's own name under its prefix."""
-    params = scope.get("path_params") or {}
-    name = params.get("name")
-    if isinstance(name, str):
-        return name
-    return str(scope.get("root_path", "")).rstrip("/").rpartition("/")[2] or "model"
 
 
 def inference_app(

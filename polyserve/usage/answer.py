@@ -86,6 +86,8 @@ def usage(snap: Snapshot, mapped: Mapping[str, int] | None = None) -> dict[str, 
         t[:, Cell.EVICTED_MEMORY].tolist(),
         t[:, Cell.EVICTED_DEMAND].tolist(),
         mapped_kib,
+        t[:, Cell.BATCHES].tolist(),
+        t[:, Cell.BATCH_ROWS].tolist(),
         strict=True,
     )
     spaces = {
@@ -105,8 +107,10 @@ def usage(snap: Snapshot, mapped: Mapping[str, int] | None = None) -> dict[str, 
             "evicted_memory": em,
             "evicted_demand": ed,
             "mapped_kib": mk,
+            "batches": ba,
+            "batch_rows": br,
         }
-        for name, r, b, w, lo, e, c, wl, li, k, ei, em, ed, mk in columns
+        for name, r, b, w, lo, e, c, wl, li, k, ei, em, ed, mk, ba, br in columns
     }
     return {"spaces": spaces, "host": host_usage(snap)}
 

@@ -14,6 +14,8 @@ Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserv
     EVICTED_IDLE     releases after POLYSERVE_IDLE_TTL idle seconds
     EVICTED_MEMORY   releases to keep the worker under POLYSERVE_WORKER_MEMORY_MB
     EVICTED_DEMAND   releases on demand (POST …/release), one per worker holding it
+    BATCHES          batched runs made (polyserve.serve.batching), beside REQUESTS
+    BATCH_ROWS       rows those runs computed, all batches together
 
 A worker writes only its own row, and only from its event-loop thread (sync handlers
 run in the threadpool, but their requests are metered by the dispatcher on the loop),
@@ -52,6 +54,8 @@ class Cell(IntEnum):
     EVICTED_IDLE = 9
     EVICTED_MEMORY = 10
     EVICTED_DEMAND = 11
+    BATCHES = 12
+    BATCH_ROWS = 13
 
 
 CELLS = len(Cell)
@@ -70,6 +74,8 @@ TOTALS = (
     Cell.EVICTED_IDLE,
     Cell.EVICTED_MEMORY,
     Cell.EVICTED_DEMAND,
+    Cell.BATCHES,
+    Cell.BATCH_ROWS,
 )
 BILLED = TOTALS[:6]
 _TOTAL_CELLS = [int(c) for c in TOTALS]
@@ -135,6 +141,12 @@ class Meter:
     def evicted(self, slot: int, cell: Cell) -> None:
         """The worker let the space go for the reason `cell` (one of EVICTIONS)."""
         self.words[self._row + slot * CELLS + cell] += 1
+
+    def batched(self, slot: int, batches: int, rows: int) -> None:
+        """The space's batchers ran `batches` runs of `rows` rows in all since the last call."""
+        words, base = self.words, self._row + slot * CELLS
+        words[base + Cell.BATCHES] += batches
+        words[base + Cell.BATCH_ROWS] += rows
 
     def released(self, slot: int) -> None:
         """This worker holds no version of the space any more: fold its residency."""

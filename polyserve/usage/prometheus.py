@@ -54,6 +54,18 @@ _SPACE_METRICS: tuple[tuple[str, Kind, str, Callable[[Snapshot], np.ndarray]], .
         _total(Cell.LOADS),
     ),
     (
+        "polyserve_space_batches",
+        "counter",
+        "Batched runs of the space's model (or its polyserve.models.batched functions).",
+        _total(Cell.BATCHES),
+    ),
+    (
+        "polyserve_space_batch_rows",
+        "counter",
+        "Rows those batched runs computed: rows per batch is this over the batches.",
+        _total(Cell.BATCH_ROWS),
+    ),
+    (
         "polyserve_space_workers_loaded",
         "gauge",
         "Workers that hold the space now.",
