@@ -128,7 +128,8 @@ class Batcher:
     ) -> list[np.ndarray]:
         """The outputs for these inputs' rows, computed with the rows queued beside them.
         With the request's ASGI `receive` (its body read), a client that goes away while
-        its call is queued takes the call out of the queue: ClientGone."""
+        its call is queued behind a running batch takes the call out of the queue:
+        ClientGone."""
         rows = rows_of(arrays)
         loop = asyncio.get_running_loop()
         call = _Call(arrays, rows, loop.create_future())
@@ -136,11 +137,14 @@ class Batcher:
         self._queued_rows += rows
         if self._filled is not None and self._queued_rows >= self.max_rows:
             self._filled.set()
-        if not self._draining:
+        queued = self._draining  # behind a running batch, not the start of one
+        if not queued:
             self._draining = True
             self._drainer = loop.create_task(self._drain())
         try:
-            if receive is None or call.future.done():
+            # Only a call that waits behind a batch watches its client: a lone call
+            # starts at once, and a watcher would cost it more than it could save.
+            if receive is None or not queued:
                 return await call.future
             return await self._unless_gone(call, receive)
         except (asyncio.CancelledError, ClientGone):
