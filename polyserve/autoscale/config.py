@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from polyserve.settings.declare import Setting, const, positive_float, read
+from polyserve.settings.declare import Setting, const, non_negative_int, positive_float, read
 
 POOLS = ("cpu", "gpu")
 # Provider name -> module; each module declares SETTINGS and make(values) -> Provider,
@@ -33,13 +33,6 @@ def _ratio(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(f"must be 0 or more, got {value}")
-    return value
-
-
 def _window(text: str) -> float:
     value = float(text)
     if value < 0:
@@ -54,16 +47,24 @@ CORE: tuple[Setting, ...] = (
         const("local"),
         "Provider of the CPU pool's hosts: local, hetzner, or none.",
     ),
-    Setting("cpu_min_workers", _count, const(1), "Fewest hosts in the CPU pool (MIN_WORKERS)."),
-    Setting("cpu_max_workers", _count, const(4), "Most hosts in the CPU pool (MAX_WORKERS)."),
+    Setting(
+        "cpu_min_workers", non_negative_int, const(1), "Fewest hosts in the CPU pool (MIN_WORKERS)."
+    ),
+    Setting(
+        "cpu_max_workers", non_negative_int, const(4), "Most hosts in the CPU pool (MAX_WORKERS)."
+    ),
     Setting(
         "gpu_provider",
         _provider,
         const("none"),
         "Provider of the GPU pool's hosts: runpod, local (a stand-in), or none.",
     ),
-    Setting("gpu_min_workers", _count, const(0), "Fewest hosts in the GPU pool (MIN_WORKERS)."),
-    Setting("gpu_max_workers", _count, const(2), "Most hosts in the GPU pool (MAX_WORKERS)."),
+    Setting(
+        "gpu_min_workers", non_negative_int, const(0), "Fewest hosts in the GPU pool (MIN_WORKERS)."
+    ),
+    Setting(
+        "gpu_max_workers", non_negative_int, const(2), "Most hosts in the GPU pool (MAX_WORKERS)."
+    ),
     Setting(
         "scale_interval_s",
         positive_float,
