@@ -31,6 +31,7 @@ from tests.cloud_standins import (
     random_token,
     running,
 )
+from tests.helpers import REPO
 
 HCLOUD_TOKEN = "hc-" + random_token()
 RUNPOD_KEY = "rpa_" + random_token()
@@ -606,7 +607,7 @@ def test_provider_settings_are_prefixed_and_documented(module):
 @pytest.mark.parametrize("module", [hetzner, runpod])
 def test_providers_doc_settings_tables_are_generated_from_the_declarations(module):
     name = module.__name__.rsplit(".", 1)[-1]
-    doc = (Path(__file__).parent.parent / "docs" / "providers.md").read_text()
+    doc = (REPO / "docs" / "providers.md").read_text()
     begin, end = f"<!-- providers:{name}:begin -->\n", f"\n<!-- providers:{name}:end -->"
     assert doc.split(begin)[1].split(end)[0] == markdown_table(module.SETTINGS)
 
