@@ -53,7 +53,7 @@ class Cycle(RequestResponseCycle):
     chunk_mark = 0
 
     async def run_asgi(self, app: ASGI3Application) -> None:
-        # uvicorn's run_asgi (tests/test_cycle.py checks that it still is), after a wait
+        # uvicorn's run_asgi (tests/http/test_cycle.py checks that it still is), after a wait
         # at the door for a request whose chunked body stands at a chunk header. A GET's
         # body has ended by now: `more_body`, an instance attribute, is the cheaper test.
         if self.more_body and self.chunk_mark and not await self.past_chunk_header():
@@ -99,7 +99,7 @@ class Cycle(RequestResponseCycle):
         return not self.disconnected
 
     async def send(self, message: Any) -> None:
-        # uvicorn's send (tests/test_cycle.py checks that it still is), holding back the head
+        # uvicorn's send (tests/http/test_cycle.py checks that it still is), holding back the head
         # where the comments that begin "polyserve:" say so; nothing else differs.
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()  # pragma: full coverage

@@ -4,11 +4,11 @@ llhttp (under httptools) is strict by default, and uvicorn loosens only
 `lenient_data_after_close`: it already refuses field names outside the token set, control
 characters in values, bare CR/LF and NUL, obs-fold, duplicated Content-Length,
 Content-Length with Transfer-Encoding, Transfer-Encoding without `chunked` last, bad chunk
-framing and methods it does not know (tests/test_http_strict.py sends each). What it lets
+framing and methods it does not know (tests/http/test_http_strict.py sends each). What it lets
 through is refused here, in the parser callbacks uvicorn's protocol already has (and
 on_chunk_header, which only a chunked body calls), so that a plain GET pays for a few
 comparisons only and no call (data_received and on_headers_complete are uvicorn's own,
-copied with the checks between their lines; tests/test_http_strict.py fails when uvicorn
+copied with the checks between their lines; tests/http/test_http_strict.py fails when uvicorn
 changes them):
 
 - gunicorn's `limit_request_line` (414), `limit_request_fields` and
@@ -177,7 +177,7 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
         self.head_bytes = 0
 
     def data_received(self, data: bytes) -> None:
-        # uvicorn's data_received (tests/test_http_strict.py checks that it still is), with
+        # uvicorn's data_received (tests/http/test_http_strict.py checks that it still is), with
         # a refusal's own status and the bound on bytes that get the parser nowhere.
         self._unset_keepalive_if_required()
 
@@ -306,7 +306,7 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
             )
 
     def on_headers_complete(self) -> None:
-        # uvicorn's on_headers_complete (tests/test_http_strict.py checks that it still
+        # uvicorn's on_headers_complete (tests/http/test_http_strict.py checks that it still
         # is), with the checks between its lines: as a wrapper around it, the extra call
         # cost a measurable share of a request (bench/NOTES.md, "Strict HTTP at the
         # door"). A refusal here comes before the request has a task.
@@ -400,7 +400,7 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
             )
 
     def on_body(self, body: bytes) -> None:
-        # uvicorn's on_body (tests/test_http_strict.py checks that it still is), a body
+        # uvicorn's on_body (tests/http/test_http_strict.py checks that it still is), a body
         # byte resetting the count of bytes that got the parser nowhere.
         self.head_bytes = 0
         if (
@@ -413,7 +413,7 @@ class StrictHttpToolsProtocol(HttpToolsProtocol):
         self.cycle.message_event.set()
 
     def on_message_complete(self) -> None:
-        # uvicorn's on_message_complete (tests/test_http_strict.py checks that it still
+        # uvicorn's on_message_complete (tests/http/test_http_strict.py checks that it still
         # is): the next head's count starts here, not with this message's last bytes.
         self.head_bytes = 0
         if (

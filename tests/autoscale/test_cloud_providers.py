@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from polyserve.autoscale import cloud, hetzner, runpod
+from polyserve.autoscale import cloud, hetzner, hetznerboot, runpod
 from polyserve.autoscale.provider import HostSpec, Machine, ProviderError
 from polyserve.settings.declare import read
 from polyserve.settings.docs import markdown_table
@@ -31,6 +31,7 @@ from tests.cloud_standins import (
     random_token,
     running,
 )
+from tests.helpers import REPO
 
 HCLOUD_TOKEN = "hc-" + random_token()
 RUNPOD_KEY = "rpa_" + random_token()
@@ -152,7 +153,7 @@ def test_hetzner_user_data_writes_a_root_only_env_file_and_starts_polyserve(
     systemd read back exactly, then starts the unit that reads it."""
     make_hetzner().create(spec(db_url=ODD_DB_URL))
     config = user_data(hetzner_api)
-    env = written(config, hetzner.ENV_FILE)
+    env = written(config, hetznerboot.ENV_FILE)
     assert (env["permissions"], env["owner"]) == ("0600", "root:root")
     path = tmp_path / "host.env"
     path.write_text(env["content"])
@@ -162,11 +163,11 @@ def test_hetzner_user_data_writes_a_root_only_env_file_and_starts_polyserve(
     assert 'POLYSERVE_HOST_ID="polyserve-cpu-0a1b2c3d"\n' in env["content"]
     # The advertised URL is found first; then the unit starts, and restarts on reboot.
     assert config["runcmd"] == [
-        [hetzner.ADVERTISE_SCRIPT, "", "8441", hetzner.ADVERTISE_FILE],
+        [hetznerboot.ADVERTISE_SCRIPT, "", "8441", hetznerboot.ADVERTISE_FILE],
         ["systemctl", "daemon-reload"],
         ["systemctl", "enable", "--now", "polyserve.service"],
     ]
-    assert written(config, hetzner.ADVERTISE_SCRIPT)["permissions"] == "0755"
+    assert written(config, hetznerboot.ADVERTISE_SCRIPT)["permissions"] == "0755"
 
 
 def test_hetzner_unit_stops_gunicorn_gracefully(make_hetzner, hetzner_api):
@@ -182,8 +183,8 @@ def test_hetzner_unit_stops_gunicorn_gracefully(make_hetzner, hetzner_api):
     assert "User=svc" in lines
     assert "WorkingDirectory=/srv/ps" in lines
     assert "ExecStart=/srv/ps/.venv/bin/gunicorn -c g.py" in lines
-    assert f"EnvironmentFile={hetzner.ENV_FILE}" in lines
-    assert f"EnvironmentFile={hetzner.ADVERTISE_FILE}" in lines
+    assert f"EnvironmentFile={hetznerboot.ENV_FILE}" in lines
+    assert f"EnvironmentFile={hetznerboot.ADVERTISE_FILE}" in lines
     assert "WantedBy=multi-user.target" in lines
 
 
@@ -214,7 +215,7 @@ def test_hetzner_advertise_script_finds_the_address_other_machines_reach(
     """In a private network the host advertises its address there, else its public
     IPv4 — never loopback."""
     script = tmp_path / "polyserve-advertise"
-    script.write_text(hetzner.ADVERTISE_PY)
+    script.write_text(hetznerboot.ADVERTISE_PY)
     out = tmp_path / "advertise.env"
     subprocess.run([sys.executable, script, network, "8441", out], env=fake_ip, check=True)
     assert out.read_text() == f"POLYSERVE_ADVERTISE_URL={expected}\n"
@@ -606,7 +607,7 @@ def test_provider_settings_are_prefixed_and_documented(module):
 @pytest.mark.parametrize("module", [hetzner, runpod])
 def test_providers_doc_settings_tables_are_generated_from_the_declarations(module):
     name = module.__name__.rsplit(".", 1)[-1]
-    doc = (Path(__file__).parent.parent / "docs" / "providers.md").read_text()
+    doc = (REPO / "docs" / "providers.md").read_text()
     begin, end = f"<!-- providers:{name}:begin -->\n", f"\n<!-- providers:{name}:end -->"
     assert doc.split(begin)[1].split(end)[0] == markdown_table(module.SETTINGS)
 

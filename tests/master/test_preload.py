@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from polyserve import settings
-from tests.helpers import HostProcess, make_tar
+from tests.helpers import REPO, HostProcess, make_tar
 
 # What a worker holds when its first space is imported: nothing in the worker imported
 # onnxruntime before (polyserve itself never does), so only the master can have.
@@ -50,7 +50,7 @@ OURS = [name for name in sys.modules if name.startswith("_ps_") and "t__faults" 
 def handle(request):
     return {"faults": FAULTS, "ours": OURS}
 """
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "python-onnx-tiny"
+EXAMPLE = REPO / "examples" / "python-onnx-tiny"
 
 
 def test_a_worker_pays_at_boot_what_its_first_model_load_would_copy(host_factory):

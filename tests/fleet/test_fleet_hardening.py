@@ -22,10 +22,8 @@ import psycopg
 from polyserve.fleet.changes import Fit
 from polyserve.fleet.db import FleetDB
 from polyserve.fleet.uploads import CHUNK
-from tests import test_fleet
-from tests.helpers import HostProcess, make_tar, until
-from tests.postgres import PostgresServer
-from tests.test_fleet import (
+from tests.fleet import test_fleet
+from tests.fleet.test_fleet import (
     _client,  # noqa: F401  (test_fleet's shared client, autouse: its helpers use it)
     deploy,
     deployed,
@@ -37,6 +35,8 @@ from tests.test_fleet import (
     wait_live,
     write,
 )
+from tests.helpers import HostProcess, make_tar, until
+from tests.postgres import PostgresServer
 
 EVERYONE = {"applied": 2, "live": 2}
 

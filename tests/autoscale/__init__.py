@@ -1,0 +1,1 @@
+"""Tests of the autoscale wing: ratios, decisions, the loop and the providers."""

@@ -1,0 +1,1 @@
+"""Tests of the control wing: the control plane under /_polyserve."""

@@ -1,0 +1,1 @@
+"""Tests of the deploy wing: the writes, dependency sets, validation and its sandbox."""

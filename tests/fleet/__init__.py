@@ -1,0 +1,1 @@
+"""Tests of the fleet wing: many hosts around one PostgreSQL."""

@@ -1,0 +1,1 @@
+"""Real-host scenarios across wings: gunicorn hosts started for whole stories."""

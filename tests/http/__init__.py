@@ -1,0 +1,1 @@
+"""Tests of the http wing: the door."""

@@ -1,0 +1,1 @@
+"""Tests of the logs wing: what spaces say, and its files."""

@@ -1,0 +1,1 @@
+"""Tests of the master wing: the gunicorn master's hooks and life."""

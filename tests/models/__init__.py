@@ -1,0 +1,1 @@
+"""Tests of the models wing: what spaces import."""

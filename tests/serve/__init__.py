@@ -1,0 +1,1 @@
+"""Tests of the serve wing: the request path in a worker."""

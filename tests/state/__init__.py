@@ -1,0 +1,1 @@
+"""Tests of the state wing: the data directory and what it writes."""

@@ -1,0 +1,1 @@
+"""Tests of the usage wing: the meter and the usage answer."""
