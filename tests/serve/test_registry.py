@@ -42,7 +42,7 @@ class World:
     def __init__(self, tmp_path: Path) -> None:
         self.store = Store(tmp_path / "data", max_spaces=8)
         self.table = Table.anonymous(1, 8, CELLS)
-        self.broadcast = Broadcast(self.table, worker_slot=0)
+        self.broadcast = Broadcast(self.table, row=0)
         self.clock = Clock()
         self.meter = Meter(self.table, 0, clock=lambda: int(self.clock.now * 1_000_000))
         self.registry = Registry(self.store, self.broadcast, self.meter, TTL, 5.0, clock=self.clock)
