@@ -27,10 +27,10 @@ Only = Literal["host"]
 class Usage:
     """The host's usage as the control plane answers it, read from the shared table."""
 
-    def __init__(self, table: Table, store: Store, threads: anyio.CapacityLimiter) -> None:
+    def __init__(self, table: Table, store: Store, host_limiter: anyio.CapacityLimiter) -> None:
         self.table = table
         self.store = store
-        self.threads = threads  # the host's own threads: reading /proc runs on them
+        self.host_limiter = host_limiter  # the host's own threads: reading /proc runs on them
 
     def snapshot(self) -> Snapshot:
         return meter.snapshot(self.table, self.store.slots.ledger(), meter.now_us())
@@ -41,7 +41,7 @@ class Usage:
         pids = [pid for pid in self.table.pids.tolist() if pid]
         # On a host thread: reading every worker's maps is a few system calls each.
         return await anyio.to_thread.run_sync(
-            mapped_by_space, self.store.spaces_dir, pids, limiter=self.threads
+            mapped_by_space, self.store.spaces_dir, pids, limiter=self.host_limiter
         )
 
     async def json(self, only: Only | None = None) -> bytes:
