@@ -77,7 +77,7 @@ async def running_host(
         await anyio.to_thread.run_sync(lambda: None, limiter=host_limiter)
     # What spaces print and log, from a worker only: the capture replaces this process's
     # sys.stdout, sys.stderr and a root handler, which in-process tests' runners own.
-    capture = spacelog.install(logs, s.log_rate) if inherited is not None else None
+    capture = spacelog.start_capture(logs, s.log_rate) if inherited is not None else None
     broadcast, meter = Broadcast(table, row), Meter(table, row)
     fleet = pools = None
     # Imported here: psycopg is slow to import, a cost for a fleet host alone (bench/NOTES.md,
@@ -128,7 +128,7 @@ async def running_host(
     # requests still read the generation word, which alone keeps the contract.
     with contextlib.suppress(RuntimeError, ValueError):
         asyncio.get_running_loop().add_signal_handler(SIGNAL, registry.refresh)
-    broadcast.publish_pid()
+    broadcast.record_pid()
     background = [
         asyncio.create_task(registry.reaper()),
         asyncio.create_task(deadlines.watch()),
@@ -142,4 +142,4 @@ async def running_host(
         if fleet is not None:
             fleet.db.close()
         if capture is not None:  # last: the spaces' lifespan shutdowns above may log
-            spacelog.uninstall(capture)
+            spacelog.stop_capture(capture)

@@ -24,7 +24,7 @@ from polyserve.names import parse_space
 from polyserve.settings import Settings, scrubbed_environ
 from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
-from polyserve.state.history import describe
+from polyserve.state.history import version_summary
 from polyserve.state.shm import Table
 from polyserve.state.store import Staged, Store
 
@@ -223,7 +223,7 @@ class Deploys:
 def _rolled_back(
     space: str, meta: dict[str, object], number: int | None, previous: int | None
 ) -> dict[str, object]:
-    body = describe(meta, number or 0, number)
+    body = version_summary(meta, number or 0, number)
     del body["current"]  # it is, by now
     return {"space": space, **body, "previous": previous}
 

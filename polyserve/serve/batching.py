@@ -219,7 +219,7 @@ class Batcher:
             ]
         total = sum(call.rows for call in batch)
         self.batches += 1
-        tag = spacelog.CURRENT.get()  # the version whose request started this drain
+        tag = spacelog.RUNNING.get()  # the version whose request started this drain
         if tag is not None:
             tag.batches += 1
             tag.batch_rows += total

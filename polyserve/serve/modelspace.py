@@ -130,11 +130,11 @@ class Model:
                         " [batching] from polyserve.toml"
                     )
 
-    def describe(self) -> dict[str, object]:
+    def tensor_metadata(self) -> dict[str, object]:
         """The inputs and outputs, as a deploy answer and a version's metadata list them."""
         return {
-            "inputs": [s.describe() for s in self.inputs.values()],
-            "outputs": [s.describe() for s in self.outputs.values()],
+            "inputs": [s.tensor_metadata() for s in self.inputs.values()],
+            "outputs": [s.tensor_metadata() for s in self.outputs.values()],
         }
 
     def run(self, arrays: dict[str, np.ndarray], wanted: list[str]) -> dict[str, np.ndarray]:

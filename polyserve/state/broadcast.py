@@ -10,7 +10,7 @@ from polyserve.state.shm import Table
 
 # SIGWINCH: gunicorn's worker and uvicorn-worker leave it unused, and its default
 # action is to ignore it, so a signal that reaches a worker before its handler is
-# installed is harmless instead of fatal. Workers also only publish their pid once
+# installed is harmless instead of fatal. Workers also only record their pid once
 # the handler is in place.
 SIGNAL = signal.SIGWINCH
 
@@ -51,7 +51,7 @@ class Broadcast:
         held = held[held > 0]
         return int(held.min()) if held.size else None
 
-    def publish_pid(self) -> None:
+    def record_pid(self) -> None:
         """Make this worker reachable by announce(); call once the handler is installed."""
         if self.row is not None:
             self.table.pids[self.row] = os.getpid()
