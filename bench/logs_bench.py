@@ -22,7 +22,7 @@ from polyserve.logs.logstore import LogStore
 
 
 def with_var(tag: spacelog.Tag, n: int) -> float:
-    current = spacelog.CURRENT
+    current = spacelog.RUNNING
     t0 = time.perf_counter_ns()
     for _ in range(n):
         token = current.set(tag)
@@ -45,14 +45,14 @@ def baseline(n: int) -> float:
 
 def prints(tag: spacelog.Tag, n: int) -> float:
     """print() as a space calls it: the text, a separator, a number and the newline."""
-    token = spacelog.CURRENT.set(tag)
+    token = spacelog.RUNNING.set(tag)
     try:
         t0 = time.perf_counter_ns()
         for i in range(n):
             print("a line of about forty characters", i)
         return (time.perf_counter_ns() - t0) / n
     finally:
-        spacelog.CURRENT.reset(token)
+        spacelog.RUNNING.reset(token)
 
 
 def main() -> None:
@@ -77,14 +77,14 @@ def main() -> None:
     store = LogStore(Path(tempfile.mkdtemp()) / "logs", 1 << 20)
     try:
         n = max(args.n // 100, 100)
-        capture = spacelog.install(store, rate=10**9)
+        capture = spacelog.start_capture(store, rate=10**9)
         kept = statistics.median(prints(spacelog.tag("o/kept", 1), n) for _ in range(5))
-        spacelog.uninstall(capture)
-        capture = spacelog.install(store, rate=1)
+        spacelog.stop_capture(capture)
+        capture = spacelog.start_capture(store, rate=1)
         noisy = spacelog.tag("o/noisy", 1)
         prints(noisy, 20)  # past its burst: what follows is dropped
         dropped = statistics.median(prints(noisy, n) for _ in range(5))
-        spacelog.uninstall(capture)
+        spacelog.stop_capture(capture)
     finally:
         sys.stdout = out
     result["kept_print_us_p50"] = round(kept / 1000, 2)

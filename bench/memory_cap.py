@@ -62,8 +62,8 @@ def kib(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def evicted(usage: dict) -> int:
-    return sum(u["evicted_memory"] for u in usage["spaces"].values())
+def released(usage: dict) -> int:
+    return sum(u["released_memory"] for u in usage["spaces"].values())
 
 
 def p99(values: list[float]) -> float:
@@ -78,7 +78,7 @@ def run(data_dir: Path, spaces: int, passes: int, cap_mb: int) -> dict[str, obje
     cold, warm, errors, peak_anon = [], [], 0, 0
     with harness.polyserve(1, data_dir, **env) as host, httpx2.Client(base_url=host.url) as c:
         pid = worker_pid(host.proc.pid)
-        before = evicted(c.get("/_polyserve/usage").json())  # the earlier run's, restored
+        before = released(c.get("/_polyserve/usage").json())  # the earlier run's, restored
         t0 = time.perf_counter()
         for _ in range(passes):
             for i in range(spaces):
@@ -94,7 +94,7 @@ def run(data_dir: Path, spaces: int, passes: int, cap_mb: int) -> dict[str, obje
                 peak_anon = max(peak_anon, kib(pid, "RssAnon"))  # what the cap bounds
         seconds = time.perf_counter() - t0
         high_water = kib(pid, "VmHWM")  # the kernel's own peak RSS of the worker
-        memory = evicted(c.get("/_polyserve/usage").json()) - before
+        memory = released(c.get("/_polyserve/usage").json()) - before
     requests = passes * spaces
     return {
         "cap_mb": cap_mb,
@@ -107,7 +107,7 @@ def run(data_dir: Path, spaces: int, passes: int, cap_mb: int) -> dict[str, obje
         "warm_p50_ms": round(statistics.median(warm), 3) if warm else 0.0,
         "peak_rss_mb": round(high_water / 1024, 1),
         "peak_anon_mb": round(peak_anon / 1024, 1),  # sampled after each request
-        "evictions_memory": memory,
+        "released_memory": memory,
         "seconds": round(seconds, 1),
     }
 

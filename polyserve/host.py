@@ -66,18 +66,18 @@ async def running_host(
     # Host work (imports, staging, publishing) gets threads of its own, which no tenant
     # can exhaust: sync handle()s have per-space limiters, and tenants' ASGI apps share
     # anyio's default one.
-    threads = anyio.CapacityLimiter(HOST_THREADS)
+    host_limiter = anyio.CapacityLimiter(HOST_THREADS)
     # anyio sets up its worker threads lazily: pay that at boot, not in the first cold
     # start, whose time and memory are billed to a space (BENCHMARKS.md, cold start).
     # A worker warms there what that load would pay for (warmup.in_worker), before the
     # capture: the space it imports has no log.
     if inherited is not None:
-        await anyio.to_thread.run_sync(warmup.in_worker, s.preload, limiter=threads)
+        await anyio.to_thread.run_sync(warmup.in_worker, s.preload, limiter=host_limiter)
     else:
-        await anyio.to_thread.run_sync(lambda: None, limiter=threads)
+        await anyio.to_thread.run_sync(lambda: None, limiter=host_limiter)
     # What spaces print and log, from a worker only: the capture replaces this process's
     # sys.stdout, sys.stderr and a root handler, which in-process tests' runners own.
-    capture = spacelog.install(logs, s.log_rate) if inherited is not None else None
+    capture = spacelog.start_capture(logs, s.log_rate) if inherited is not None else None
     broadcast, meter = Broadcast(table, row), Meter(table, row)
     fleet = pools = None
     # Imported here: psycopg is slow to import, a cost for a fleet host alone (bench/NOTES.md,
@@ -87,7 +87,7 @@ async def running_host(
         from polyserve.fleet.pools import PoolRouter
 
         fleet = FleetClient(s, store)  # its database calls on threads of its own
-        pools = PoolRouter(fleet.db, s.fleet_live_s, s.pool_retry_after_s, fleet.threads)
+        pools = PoolRouter(fleet.db, s.fleet_live_s, s.pool_retry_after_s, fleet.db_limiter)
     registry = Registry(
         store,
         broadcast,
@@ -96,7 +96,7 @@ async def running_host(
         s.import_timeout,
         clock=clock,
         space_threads=s.space_threads,
-        host_limiter=threads,
+        host_limiter=host_limiter,
         fetch=fleet.fetch if fleet is not None else None,
         # Pools apply only in a fleet: a single host serves every space it is given.
         pool=s.pool if fleet is not None else None,
@@ -115,20 +115,20 @@ async def running_host(
             store,
             broadcast,
             table,
-            threads,
+            host_limiter,
             registry.refresh,
             fleet,
             registry.cap.floor,
             forkserver=inherited.forkserver if inherited is not None else None,
         ),
         logs=logs,
-        usage=Usage(table, store, threads),
+        usage=Usage(table, store, host_limiter),
     )
     # Off the main thread (an in-process test client) there is no signal handler:
     # requests still read the generation word, which alone keeps the contract.
     with contextlib.suppress(RuntimeError, ValueError):
         asyncio.get_running_loop().add_signal_handler(SIGNAL, registry.refresh)
-    broadcast.publish_pid()
+    broadcast.record_pid()
     background = [
         asyncio.create_task(registry.reaper()),
         asyncio.create_task(deadlines.watch()),
@@ -142,4 +142,4 @@ async def running_host(
         if fleet is not None:
             fleet.db.close()
         if capture is not None:  # last: the spaces' lifespan shutdowns above may log
-            spacelog.uninstall(capture)
+            spacelog.stop_capture(capture)

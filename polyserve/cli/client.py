@@ -168,7 +168,7 @@ class Client:
         try:
             return json.loads(raw)
         except ValueError:
-            what = _described(raw, response.headers.get("Content-Type", ""))
+            what = _body_summary(raw, response.headers.get("Content-Type", ""))
             raise BadAnswer(self.url, self.status, what) from None
 
     def post_json(self, path: str, payload: dict[str, object] | None = None) -> tuple[int, Any]:
@@ -184,7 +184,7 @@ def space_path(space: str, *rest: str) -> str:
     return "/".join(["/_polyserve/spaces", space, *rest])
 
 
-def _described(raw: bytes, content_type: str) -> str:
+def _body_summary(raw: bytes, content_type: str) -> str:
     """A body that is not JSON, in a few words: an HTML page by its title."""
     text = raw[:4096].decode(errors="replace")
     title = re.search(r"<title[^>]*>([^<]*)", text, re.IGNORECASE)

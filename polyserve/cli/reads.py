@@ -73,12 +73,12 @@ def usage(fleet: bool, as_json: bool, url: str, token: str, timeout: float) -> N
             str(u.get("workers_loaded", 0)),
             human_ms(u.get("last_import_ms")),
             human_bytes((u.get("memory_kib") or 0) * 1024),
-            _evictions(u),
+            _releases(u),
         ]
         for name, u in spaces
     ]
     headers = ["SPACE", "REQUESTS", "ERRORS", "BUSY", "WARM", "COLD STARTS", "WORKERS"]
-    headers += ["LAST IMPORT", "MEMORY", "EVICTED (IDLE/MEM/DEMAND)"]
+    headers += ["LAST IMPORT", "MEMORY", "RELEASED (IDLE/MEM/DEMAND)"]
     print_table(headers, rows, right=set(range(1, 10)), empty="no usage yet")
     host = answer["host"]
     click.echo(
@@ -87,8 +87,10 @@ def usage(fleet: bool, as_json: bool, url: str, token: str, timeout: float) -> N
     )
 
 
-def _evictions(u: dict[str, Any]) -> str:
-    return "/".join(f"{u.get('evicted_' + reason, 0):,}" for reason in ("idle", "memory", "demand"))
+def _releases(u: dict[str, Any]) -> str:
+    return "/".join(
+        f"{u.get('released_' + reason, 0):,}" for reason in ("idle", "memory", "demand")
+    )
 
 
 def _billing(name: str, u: dict[str, Any]) -> list[str]:

@@ -145,7 +145,7 @@ class ControlPlane:
                 return None
             return host.logs.read(space, since)
 
-        found = await anyio.to_thread.run_sync(read, limiter=host.deploys.threads)
+        found = await anyio.to_thread.run_sync(read, limiter=host.deploys.host_limiter)
         if found is None:
             raise ClientError(404, f"space {space} is not deployed", space=space)
         records, after = found
@@ -168,7 +168,9 @@ class ControlPlane:
 
     async def list_spaces(self, request: Request) -> Response:
         host = self.running
-        spaces = await anyio.to_thread.run_sync(host.store.spaces, limiter=host.deploys.threads)
+        spaces = await anyio.to_thread.run_sync(
+            host.store.spaces, limiter=host.deploys.host_limiter
+        )
         return JSONResponse({"spaces": spaces})
 
     async def usage(self, request: Request) -> Response:

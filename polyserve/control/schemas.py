@@ -197,7 +197,7 @@ SCHEMAS: dict[str, Any] = {
                             "description": "rows those runs computed, all batches together",
                         },
                         **{
-                            f"evicted_{reason}": {"type": "integer", "description": doc}
+                            f"released_{reason}": {"type": "integer", "description": doc}
                             for reason, doc in (
                                 ("idle", "releases after POLYSERVE_IDLE_TTL idle"),
                                 ("memory", "releases under POLYSERVE_WORKER_MEMORY_MB"),

@@ -117,7 +117,7 @@ async def _check(
     }
     model = getattr(imported.app, "model", None) if imported.kind == "model" else None
     if model is not None:
-        result |= model.describe()
+        result |= model.tensor_metadata()
     return result, None
 
 

@@ -24,7 +24,7 @@ from polyserve.names import parse_space
 from polyserve.settings import Settings, scrubbed_environ
 from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
-from polyserve.state.history import describe
+from polyserve.state.history import version_summary
 from polyserve.state.shm import Table
 from polyserve.state.store import Staged, Store
 
@@ -43,7 +43,7 @@ class Deploys:
         store: Store,
         broadcast: Broadcast,
         table: Table,
-        threads: anyio.CapacityLimiter | None,
+        host_limiter: anyio.CapacityLimiter | None,
         refresh: Callable[[], None],
         fleet: FleetClient | None = None,
         floor: Callable[[], int | None] = lambda: None,
@@ -54,7 +54,7 @@ class Deploys:
         # Every local change is the state wing's one step, which reads the table through
         # the broadcast: `table` is no longer read here.
         self.changes = Changes(store, broadcast, refresh)
-        self.threads = threads  # the host's own threads: no tenant can exhaust them
+        self.host_limiter = host_limiter  # the host's own threads: no tenant can exhaust them
         self.fleet = fleet  # with POLYSERVE_DATABASE_URL: the fleet's database decides
         self.floor = floor  # a worker's memory holding no space, once its registry knows
         self.forkserver = forkserver  # the master's fork server's socket name, if it runs one
@@ -217,13 +217,13 @@ class Deploys:
         return self.changes.announce()
 
     async def _run(self, func: Callable[..., _T], *args: object) -> _T:
-        return await anyio.to_thread.run_sync(func, *args, limiter=self.threads)
+        return await anyio.to_thread.run_sync(func, *args, limiter=self.host_limiter)
 
 
 def _rolled_back(
     space: str, meta: dict[str, object], number: int | None, previous: int | None
 ) -> dict[str, object]:
-    body = describe(meta, number or 0, number)
+    body = version_summary(meta, number or 0, number)
     del body["current"]  # it is, by now
     return {"space": space, **body, "previous": previous}
 

@@ -92,25 +92,25 @@ async def install(requested: Requested, data_dir: Path, settings: Settings) -> I
         work = Path(tempfile.mkdtemp(dir=deps / "tmp"))
     try:
         await uvinstall.run(requested, work, deps, settings)
-        described = depcheck.contents(work / "site", requested)
+        contents = depcheck.contents(work / "site", requested)
         scratch_files = (uvinstall.requirements_file(work), uvinstall.excludes_file(work))
         for scratch in (*scratch_files, work / "site" / ".lock"):
             scratch.unlink(missing_ok=True)  # uv's inputs and its lock: not part of the set
-        digest = _set_digest(described["packages"])
-        described["set"] = digest
+        digest = _set_digest(contents["packages"])
+        contents["set"] = digest
         with disk_full_is_507():
-            (work / "set.json").write_text(json.dumps(described))
+            (work / "set.json").write_text(json.dumps(contents))
             fresh = _move_into_place(work, deps / "sets" / digest)
-            write_atomic(deps / "requests" / key, json.dumps(described).encode())
+            write_atomic(deps / "requests" / key, json.dumps(contents).encode())
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return Installed(
         digest,
         site_dir(data_dir, digest),
-        described["packages"],
+        contents["packages"],
         requested.source,
         list(requested.from_host),
-        installed=described["packages"] if fresh else [],
+        installed=contents["packages"] if fresh else [],
         install_ms=round((time.perf_counter() - started) * 1000, 3) if fresh else 0.0,
     )
 
@@ -128,12 +128,12 @@ def _empty_set(deps: Path) -> Path:
 def _cached_set(deps: Path, key: str) -> dict[str, Any] | None:
     """The set this requirement list resolved to before, if it is still installed."""
     try:
-        described = json.loads((deps / "requests" / key).read_bytes())
+        contents = json.loads((deps / "requests" / key).read_bytes())
     except (FileNotFoundError, ValueError):
         return None
-    if not (deps / "sets" / described["set"] / "set.json").is_file():
+    if not (deps / "sets" / contents["set"] / "set.json").is_file():
         return None  # removed since: install again
-    return described
+    return contents
 
 
 def _set_digest(packages: list[str]) -> str:

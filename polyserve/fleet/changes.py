@@ -15,7 +15,7 @@ from polyserve.fleet.connection import CHANNEL, Connection
 from polyserve.fleet.hosts import LIVE
 from polyserve.fleet.schema import CHANGE_LOCK
 from polyserve.fleet.uploads import copy_version
-from polyserve.state.history import describe, rollback_target
+from polyserve.state.history import rollback_target, version_summary
 
 # What a change does, as the change log's CHECK constraint says (a rollback is a deploy
 # of an older number).
@@ -132,7 +132,7 @@ class ChangeLog(Connection):
                 " WHERE space = %s ORDER BY id",
                 (space,),
             ).fetchall()
-        versions = [describe(meta, number, current) for number, meta in stored]
+        versions = [version_summary(meta, number, current) for number, meta in stored]
         history: list[dict[str, Any]] = []
         deployed: set[int] = set()
         now: int | None = None  # the version current after each change, replayed

@@ -33,13 +33,13 @@ class FleetClient:
     def __init__(self, settings: Settings, store: Store) -> None:
         self.settings = settings
         self.store = store
-        self.threads = anyio.CapacityLimiter(DB_THREADS)
+        self.db_limiter = anyio.CapacityLimiter(DB_THREADS)
         # Connects on first use, in a thread; each call within POLYSERVE_FLEET_TIMEOUT_S.
         self.db = FleetDB(settings.database_url, settings.fleet_timeout_s)
 
     async def run(self, func: Callable[..., _T], *args: object) -> _T:
         """Database work on the fleet's own threads, in bounded time (see threaded)."""
-        return await threaded(self.threads, self.settings.fleet_timeout_s, func, *args)
+        return await threaded(self.db_limiter, self.settings.fleet_timeout_s, func, *args)
 
     async def applied(self, change: Change) -> tuple[int, dict[str, object]]:
         """Wait until every live host, this one included, has applied the committed

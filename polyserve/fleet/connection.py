@@ -109,14 +109,14 @@ class Connection:
 
 
 async def threaded(
-    threads: anyio.CapacityLimiter | None, timeout_s: float, func: Callable[..., _T], *args: Any
+    limiter: anyio.CapacityLimiter | None, timeout_s: float, func: Callable[..., _T], *args: Any
 ) -> _T:
-    """A FleetDB call from an event loop, on `threads` (the fleet's own, never the
+    """A FleetDB call from an event loop, on `limiter` (the fleet's own, never the
     host's): a call that gets no thread within `timeout_s` (the database stalled and
     every thread waits on it) is Unreachable at once; one that got a thread ends within
     that time too (FleetDB's deadline). So a 503 comes in bounded time."""
     with anyio.move_on_after(timeout_s):
-        return await anyio.to_thread.run_sync(func, *args, limiter=threads)
+        return await anyio.to_thread.run_sync(func, *args, limiter=limiter)
     raise Unreachable()
 
 

@@ -20,7 +20,7 @@ def fetch_version(db: FleetDB, store: Store, version: Version, max_unpacked: int
     if staged is not None:
         try:
             with store.locked():
-                store.install(version.space, stored.number, staged)
+                store.place(version.space, stored.number, staged)
         finally:
             store.discard(staged)
 

@@ -24,7 +24,7 @@ DEMAND_KEYS = 1024  # past this many remembered writes, the stale ones are forgo
 class PoolRouter:
     """Where a worker sends a request for a space of another pool than its host's.
 
-    Every database call runs on the fleet's threads (`threads`), never on the event
+    Every database call runs on the fleet's threads (`db_limiter`), never on the event
     loop nor the host's import threads, and fails within the database's timeout; the
     hosts' table is read at most once per HOSTS_TTL_S whatever the burst (one lookup at
     a time, the others wait for its answer), and an unreachable database is remembered
@@ -36,13 +36,13 @@ class PoolRouter:
         db: FleetDB,
         live_s: float,
         retry_after_s: int,
-        threads: anyio.CapacityLimiter | None,
+        db_limiter: anyio.CapacityLimiter | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.db = db
         self.live_s = live_s
         self.retry_after_s = retry_after_s  # what a 503 tells its caller to wait
-        self.threads = threads
+        self.db_limiter = db_limiter
         self.clock = clock
         self._lock = asyncio.Lock()
         # (when it expires, each pool's live hosts' URLs, or None: the database is away)
@@ -89,4 +89,4 @@ class PoolRouter:
             raise
 
     async def _run(self, func: Callable[..., _T], *args: object) -> _T:
-        return await threaded(self.threads, self.db.timeout_s, func, *args)
+        return await threaded(self.db_limiter, self.db.timeout_s, func, *args)

@@ -35,7 +35,7 @@ import orjson
 
 from polyserve.state.files import write_atomic
 
-CURRENT = "current.log"
+OPEN_SEGMENT = "current.log"
 RECORD_SLACK = 64 << 10  # read past the limit, to finish the last record (under 40 KiB)
 _HEADER_MAX = 64
 
@@ -76,7 +76,7 @@ class LogStore:
     def append(self, space: str, line: bytes) -> bool:
         """Append one record (a line ending in a newline). False when the space's log
         directory is gone: the space was deleted."""
-        path = os.path.join(self._root, space, CURRENT)
+        path = os.path.join(self._root, space, OPEN_SEGMENT)
         for _ in range(8):  # each pass follows one rotation; more means a bug, not a race
             try:
                 fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)  # read: its header
@@ -119,7 +119,7 @@ class LogStore:
         except FileNotFoundError:
             return False
         try:
-            os.link(tmp, directory / CURRENT)
+            os.link(tmp, directory / OPEN_SEGMENT)
         except FileExistsError:
             pass  # another writer made it first: use theirs
         finally:
@@ -133,8 +133,8 @@ class LogStore:
         directory = self.dir(space)
         base = _header(fd)
         with contextlib.suppress(FileExistsError):  # a writer died after this step
-            os.link(directory / CURRENT, directory / f"{base}.log")
-        write_atomic(directory / CURRENT, b'{"base":%d}\n' % (base + size))
+            os.link(directory / OPEN_SEGMENT, directory / f"{base}.log")
+        write_atomic(directory / OPEN_SEGMENT, b'{"base":%d}\n' % (base + size))
         for name in os.listdir(directory):
             number = name.removesuffix(".log")
             if number.isdigit() and int(number) < base:

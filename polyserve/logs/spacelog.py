@@ -1,10 +1,10 @@
 """What a space says (logging, print, exceptions): attributed to it, kept, echoed to the host log.
 
-A context variable, CURRENT, names the space version whose code is running: dispatch
+A context variable, RUNNING, names the space version whose code is running: dispatch
 sets it around each request, the loader around an import and the lifespan. Tasks a
 space starts inherit it, and anyio copies it into the threads that run sync handlers,
 so attribution holds with many spaces interleaved in one worker. Under the gunicorn
-master, `install` replaces sys.stdout and sys.stderr by streams that route a write by
+master, `start_capture` replaces sys.stdout and sys.stderr by streams that route a write by
 that variable (the host's own writes pass through unchanged) and adds a handler to the
 root logger; every record of a space is then written to its log (polyserve.logs.logstore)
 as it was said, and echoed to the host's log as one line,
@@ -30,7 +30,7 @@ import orjson
 
 from polyserve.logs.logstore import LogStore
 
-CURRENT: ContextVar[Tag | None] = ContextVar("polyserve_space", default=None)
+RUNNING: ContextVar[Tag | None] = ContextVar("polyserve_space", default=None)
 MESSAGE_MAX = 8192  # characters of one record's message; longer ones lose their middle
 BURST_SECONDS = 10  # a space may log this many seconds' worth of its rate at once
 HOST = logging.getLogger("polyserve.space")  # the echo: gunicorn's error log in a worker
@@ -83,7 +83,7 @@ class Channel:
 
 
 class Tag:
-    """One imported version of a space: what CURRENT holds while its code runs."""
+    """One imported version of a space: what RUNNING holds while its code runs."""
 
     def __init__(
         self, space: str, version: int, channel: Channel | None, root: Path | None = None
@@ -245,10 +245,10 @@ class _Stream:
         self.name = name
 
     def write(self, text: str) -> int:
-        current = CURRENT.get()
-        if current is None or getattr(_busy, "active", False):
+        running = RUNNING.get()
+        if running is None or getattr(_busy, "active", False):
             return self.real.write(text)
-        current.write(self.name, text)
+        running.write(self.name, text)
         return len(text)
 
     def writelines(self, lines: Any) -> None:
@@ -256,9 +256,9 @@ class _Stream:
             self.write(line)
 
     def flush(self) -> None:
-        current = CURRENT.get()
-        if current is not None and not getattr(_busy, "active", False):
-            current.flush(self.name)
+        running = RUNNING.get()
+        if running is not None and not getattr(_busy, "active", False):
+            running.flush(self.name)
         self.real.flush()
 
     def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, buffer, …
@@ -280,15 +280,15 @@ class _RootHandler(logging.Handler):
         return True
 
     def emit(self, record: logging.LogRecord) -> None:
-        current = CURRENT.get()
-        if current is None or getattr(_busy, "active", False):
+        running = RUNNING.get()
+        if running is None or getattr(_busy, "active", False):
             self._pass_on(record)
             return
         try:
             message = self.format(record)
         except Exception:  # a space's bad format string: say what was logged anyway
             message = f"{record.msg!r} % {record.args!r}"
-        current.record(record.levelno, "logging", message, record.created)
+        running.record(record.levelno, "logging", message, record.created)
 
     def _pass_on(self, record: logging.LogRecord) -> None:
         """Before this handler, a record that no handler took went to logging's last
@@ -305,7 +305,7 @@ class _RootHandler(logging.Handler):
 
 
 class Capture:
-    """What install() put in place in this process, and each space's channel."""
+    """What start_capture() put in place in this process, and each space's channel."""
 
     def __init__(self, store: LogStore, rate: float) -> None:
         self.store = store
@@ -325,7 +325,7 @@ class Capture:
         return found
 
 
-def install(store: LogStore, rate: float) -> Capture:
+def start_capture(store: LogStore, rate: float) -> Capture:
     """Capture what spaces say in this process (a worker, after the fork)."""
     global _capture
     capture = Capture(store, rate)
@@ -344,8 +344,8 @@ def install(store: LogStore, rate: float) -> Capture:
     return capture
 
 
-def uninstall(capture: Capture) -> None:
-    """Undo install() (a worker's shutdown, and tests)."""
+def stop_capture(capture: Capture) -> None:
+    """Undo start_capture() (a worker's shutdown, and tests)."""
     global _capture
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)

@@ -143,7 +143,8 @@ _starting: tuple[settings_mod.Settings, Store] | None = None  # on_starting -> w
 _lock_file: Any = None  # host.lock, flock'd: the master's alone (post_fork closes it)
 
 
-def worker_slots(workers: int) -> int:
+def worker_rows(workers: int) -> int:
+    """How many worker rows the table gets for `workers` workers."""
     # A HUP starts a full set of new workers before the old ones leave.
     return max(2 * workers + 2, 8)
 
@@ -234,7 +235,7 @@ def _create_table(
         server.log.warning("recovered usage from the segment of a master that died")
     else:
         earlier = meter.checkpoint_totals(store.root / CHECKPOINT, store.slots.ledger())
-    table = Table.create(name, worker_slots(s.workers), s.max_spaces, meter.CELLS)
+    table = Table.create(name, worker_rows(s.workers), s.max_spaces, meter.CELLS)
     table.set_header(H_STARTED, time.time_ns() // 1000)
     if earlier is not None:
         meter.set_base(table, earlier)
@@ -248,15 +249,15 @@ def pre_fork(server: Any, worker: Any) -> None:
     # collector's permanent generation: a worker's collections then never walk those
     # objects, whose headers they would write and so copy out of the shared pages.
     gc.freeze()
-    used = {getattr(w, "polyserve_slot", None) for w in server.WORKERS.values()}
-    free = [i for i in range(_master.table.worker_slots) if i not in used]
-    worker.polyserve_slot = free[0] if free else None
+    used = {getattr(w, "polyserve_row", None) for w in server.WORKERS.values()}
+    free = [i for i in range(_master.table.worker_rows) if i not in used]
+    worker.polyserve_row = free[0] if free else None
     if not free:
         # More workers than usage rows (TTIN past the table): a worker that cannot be
         # metered must not serve. Stop asking for it; it exits in post_fork.
         server.log.error(
             "no free usage row for another worker: the table has %d rows",
-            _master.table.worker_slots,
+            _master.table.worker_rows,
         )
         server.num_workers = len(server.WORKERS)
 
@@ -278,11 +279,11 @@ def post_fork(server: Any, worker: Any) -> None:
         with contextlib.suppress(BufferError):  # a view the fork copied: it stays mapped
             _master.leftover.table.close()
         _master.leftover = None
-    if worker.polyserve_slot is None:
+    if worker.polyserve_row is None:
         sys.exit(0)
     assert _master is not None
     forkserver = _master.forkserver.name if _master.forkserver is not None else None
-    handoff.hand(Handoff(_master.table, worker.polyserve_slot, forkserver))
+    handoff.hand(Handoff(_master.table, worker.polyserve_row, forkserver))
     # A worker outlives a master killed with -9 unless told: uvicorn-worker does not
     # watch its parent. SIGTERM makes it finish its requests and fold its usage.
     die_with_parent(signal.SIGTERM)
@@ -313,13 +314,13 @@ def worker_exit(server: Any, worker: Any) -> None:
 
 def child_exit(server: Any, worker: Any) -> None:
     """A worker is gone (any cause): its counts stay; close its open residency."""
-    slot = getattr(worker, "polyserve_slot", None)
-    if _master is None or slot is None:
+    row = getattr(worker, "polyserve_row", None)
+    if _master is None or row is None:
         return
     with _master.lock:
-        meter.fold_row(_master.table, slot, meter.now_us())
-        if _master.table.pids[slot] == worker.pid:
-            _master.table.pids[slot] = 0
+        meter.fold_row(_master.table, row, meter.now_us())
+        if _master.table.pids[row] == worker.pid:
+            _master.table.pids[row] = 0
 
 
 def on_exit(server: Any) -> None:

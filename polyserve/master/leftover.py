@@ -44,7 +44,7 @@ class Leftover:
         A pid in its rows is taken for one of them when the process maps this segment
         (by inode), is not a child of this master, and keeps the start time it had then:
         not a process that reused the pid of a worker long gone, nor one that reuses it
-        later. Its rows are read each time: a worker that was booting publishes late.
+        later. Its rows are read each time: a worker that was booting records its pid late.
         """
         for row, pid in enumerate(self.table.pids.tolist()):
             if pid and pid not in self._seen:

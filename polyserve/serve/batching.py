@@ -100,7 +100,7 @@ class _Call:
 class Batcher:
     """Merges concurrent calls of `run` (arrays in, arrays out, rows along the first
     axis). `run` takes the merged inputs and gives its outputs as a sequence of arrays,
-    each with one row per input row; `threads` bounds the threads a sync `run` uses."""
+    each with one row per input row; `limiter` bounds the threads a sync `run` uses."""
 
     def __init__(
         self,
@@ -108,13 +108,13 @@ class Batcher:
         | Callable[[list[np.ndarray]], Awaitable[Sequence[np.ndarray]]],
         batching: Batching,
         *,
-        threads: anyio.CapacityLimiter | None = None,
+        limiter: anyio.CapacityLimiter | None = None,
     ) -> None:
         self._run = run
         self._async = inspect.iscoroutinefunction(run)
         self.max_rows = batching.max_rows
         self.delay = batching.max_delay_us / 1e6
-        self._threads = threads
+        self._limiter = limiter
         self._queue: deque[_Call] = deque()
         self._queued_rows = 0
         self._filled: asyncio.Event | None = None  # set when a waiting batch is full
@@ -219,7 +219,7 @@ class Batcher:
             ]
         total = sum(call.rows for call in batch)
         self.batches += 1
-        tag = spacelog.CURRENT.get()  # the version whose request started this drain
+        tag = spacelog.RUNNING.get()  # the version whose request started this drain
         if tag is not None:
             tag.batches += 1
             tag.batch_rows += total
@@ -228,7 +228,7 @@ class Batcher:
             if self._async:
                 outputs = await self._run(merged)  # type: ignore[misc]
             else:
-                outputs = await anyio.to_thread.run_sync(self._run, merged, limiter=self._threads)
+                outputs = await anyio.to_thread.run_sync(self._run, merged, limiter=self._limiter)
             outputs = list(outputs)
             for out in outputs:
                 if np.ndim(out) == 0 or len(out) != total:
@@ -306,7 +306,7 @@ def batched(max_rows: int = 64, max_delay_us: int = 0) -> Callable[[F], F]:
             batcher = batchers.get(loop)
             if batcher is None:
                 batchers.clear()  # a loop of the past (a test's) holds nothing we need
-                batcher = batchers[loop] = Batcher(run, settings, threads=anyio.CapacityLimiter(1))
+                batcher = batchers[loop] = Batcher(run, settings, limiter=anyio.CapacityLimiter(1))
             outputs = await batcher.submit([np.asarray(a) for a in arrays])
             kind, names = shapes["form"]
             if kind == "dict":

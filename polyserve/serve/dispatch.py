@@ -135,7 +135,7 @@ class Dispatch:
             return 404
         # What the space prints and logs from here (and in the tasks and threads it
         # starts) is its own: one context variable set, the whole cost per request.
-        speaking = spacelog.CURRENT.set(imported.log)
+        speaking = spacelog.RUNNING.set(imported.log)
         try:
             if imported.kind == "handle" and scope["type"] == "http":
                 # handle()'s answer is in hand before a byte is sent: a dict or list,
@@ -200,7 +200,7 @@ class Dispatch:
             await answer(scope, receive, send, code, {"error": error, "space": space})
             return code
         finally:
-            spacelog.CURRENT.reset(speaking)
+            spacelog.RUNNING.reset(speaking)
             self.deadlines.leave(task)
         # An HTTP app that returns without a response gets a 500 from the server.
         return 500 if status == 0 and scope["type"] == "http" else status

@@ -54,7 +54,7 @@ class Held:
         # Told before memory may be freed under the loads being measured (MemoryCap).
         self.freeing: Callable[[], None] = lambda: None
         # Version numbers held per space (draining and loading ones included); the
-        # oldest is published in the shared table (Broadcast.hold).
+        # oldest is written in the shared table (Broadcast.hold).
         self._held: dict[str, list[int]] = {}
         heap.settle()  # what a collection frees must leave the RSS, whoever allocated it
         self._collect_at: asyncio.TimerHandle | None = None

@@ -128,6 +128,6 @@ class InferenceRoutes:
 
     async def _thread(self, func: Callable[..., Any], *args: Any) -> Any:
         """Store reads on the host's threads, as the control plane's are."""
-        limiter = self.control.running.deploys.threads
+        limiter = self.control.running.deploys.host_limiter
         result: Any = await anyio.to_thread.run_sync(func, *args, limiter=limiter)
         return result

@@ -57,7 +57,7 @@ class _Imported:
     package: str
     module: Any
     root: Path  # the version's directory
-    log: spacelog.Tag  # what its code says is attributed to it (dispatch sets CURRENT)
+    log: spacelog.Tag  # what its code says is attributed to it (dispatch sets spacelog.RUNNING)
     state: dict[str, Any] = field(default_factory=dict, kw_only=True)  # lifespan state, per ASGI
     lifespan: _Lifespan | None = field(default=None, kw_only=True)
 
@@ -109,7 +109,7 @@ def import_version(
         )
     package = namespace.create(space, version, [root] if deps is None else [root, Path(deps)])
     tag = spacelog.tag(space, version, root)
-    speaking = spacelog.CURRENT.set(tag)  # what the module prints at import is the space's
+    speaking = spacelog.RUNNING.set(tag)  # what the module prints at import is the space's
     try:
         imported: Imported
         if entry.endswith(".onnx"):  # a model space: the host's own app serves the file
@@ -128,9 +128,9 @@ def import_version(
     except (Exception, SystemExit) as exc:  # sys.exit() at import is the tenant's error too
         forget(package)
         tag.exception(exc, f"the import of {entry}")
-        raise LoadError(**describe(exc, root)) from exc  # type: ignore[arg-type]
+        raise LoadError(**error_fields(exc, root)) from exc  # type: ignore[arg-type]
     finally:
-        spacelog.CURRENT.reset(speaking)
+        spacelog.RUNNING.reset(speaking)
     return imported
 
 
@@ -199,7 +199,7 @@ def is_wsgi(app: Any) -> bool:
     return sum(p.kind in positional for p in params) == 2
 
 
-def describe(exc: BaseException, root: Path) -> dict[str, object]:
+def error_fields(exc: BaseException, root: Path) -> dict[str, object]:
     """An import failure as the deployer needs it: message, and the file and line in the
     version that raised it (relative to the version root)."""
     message = f"{type(exc).__name__}: {exc}"
@@ -314,7 +314,7 @@ async def start(imported: Imported, timeout: float) -> None:
         return
     lifespan = _Lifespan(imported.app, imported.state, imported.log)
     # The lifespan task copies this context: its startup and shutdown speak as the space.
-    speaking = spacelog.CURRENT.set(imported.log)
+    speaking = spacelog.RUNNING.set(imported.log)
     try:
         if await lifespan.startup(timeout):
             imported.lifespan = lifespan
@@ -334,7 +334,7 @@ async def start(imported: Imported, timeout: float) -> None:
             message = f"app lifespan startup failed: {message}"
         raise LoadError(scrub_paths(message, imported.root)) from exc
     finally:
-        spacelog.CURRENT.reset(speaking)
+        spacelog.RUNNING.reset(speaking)
 
 
 async def stop(imported: Imported, timeout: float) -> None:

@@ -155,7 +155,7 @@ class Loads:
             return current
         if current is not None and current.releases != releases:
             # Released on demand while this worker missed the signal: re-imported below.
-            self.meter.evicted(slot, Cell.EVICTED_DEMAND)
+            self.meter.count_release(slot, Cell.RELEASED_DEMAND)
         # Not kept across the awaits: a stale version held by this frame could not be
         # collected when it is dropped for room. It serves nobody new (lease checks the
         # generation); it is retired at the switch, or before, by the memory cap.

@@ -18,7 +18,7 @@ from enum import IntEnum
 from polyserve.serve.held import Held
 from polyserve.usage.meter import Cell, Meter, anon_bytes
 
-# Evicting for memory frees down to this much below the cap, so that the synchronous
+# Releasing for memory frees down to this much below the cap, so that the synchronous
 # collection it needs runs once per few loads rather than at every one.
 HEADROOM = 0.05
 NO_ROOM_RETRY_S = 1  # a busy space's requests end soon; then its memory can be let go
@@ -137,7 +137,7 @@ class MemoryCap:
         self.estimates = Estimates()
         # Loads let in that are importing, with the memory they are expected to add (not
         # yet in the measure), and loads imported and being checked against the cap.
-        # One room check at a time: two evicting at once would each release what the
+        # One room check at a time: two releasing at once would each release what the
         # other's collection was about to free.
         self._reserved: dict[str, int] = {}
         self._checking: dict[str, int] = {}  # each with its turn: the later decides first
@@ -285,16 +285,16 @@ class MemoryCap:
 
     def _release(self, space: str, excess: int) -> list[asyncio.Task[None]]:
         """Drop tasks of what _make_room lets go: the space's own idle old version, else
-        idle spaces (_evict)."""
+        idle spaces (_release_lru)."""
         old = self.held.active.get(space)
         if old is not None and old.inflight == 0:
-            dropping = [self.held.retire(old)]  # a swap: not an eviction, nor a release
+            dropping = [self.held.retire(old)]  # a swap: not a release, so not counted
         else:
-            dropping = self._evict(space, excess)
+            dropping = self._release_lru(space, excess)
         del old
         return [t for t in dropping if t is not None]
 
-    def _evict(self, space: str, excess: int) -> list[asyncio.Task[None] | None]:
+    def _release_lru(self, space: str, excess: int) -> list[asyncio.Task[None] | None]:
         """Retire idle spaces, least recently used first, as many as their last loads
         say it takes to free `excess` bytes (at least one: a size measured while other
         loads ran may be 0). Returns their drop tasks, not them: a reference left to a
@@ -307,7 +307,7 @@ class MemoryCap:
         idle.sort(key=lambda a: a.last_used)
         dropping = []
         for active in idle:
-            self.meter.evicted(active.slot, Cell.EVICTED_MEMORY)
+            self.meter.count_release(active.slot, Cell.RELEASED_MEMORY)
             dropping.append(self.held.retire(active))
             excess -= self.estimates.sizes.get(active.imported.space, 0)
             if excess <= 0:

@@ -130,11 +130,11 @@ class Model:
                         " [batching] from polyserve.toml"
                     )
 
-    def describe(self) -> dict[str, object]:
+    def tensor_metadata(self) -> dict[str, object]:
         """The inputs and outputs, as a deploy answer and a version's metadata list them."""
         return {
-            "inputs": [s.describe() for s in self.inputs.values()],
-            "outputs": [s.describe() for s in self.outputs.values()],
+            "inputs": [s.tensor_metadata() for s in self.inputs.values()],
+            "outputs": [s.tensor_metadata() for s in self.outputs.values()],
         }
 
     def run(self, arrays: dict[str, np.ndarray], wanted: list[str]) -> dict[str, np.ndarray]:
@@ -296,7 +296,7 @@ class InferenceApp:
 
             if self._limiter is None:
                 self._limiter = anyio.CapacityLimiter(self.threads)
-            self.batcher = Batcher(run, self.batching, threads=self._limiter)
+            self.batcher = Batcher(run, self.batching, limiter=self._limiter)
         try:
             rows = await self.batcher.submit([arrays[name] for name in names], receive)
         except ClientGone as exc:

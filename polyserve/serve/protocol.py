@@ -127,7 +127,7 @@ def encode(
 ) -> tuple[bytes, int | None]:
     """An infer answer: (the body, the JSON header's length when binary data follows it).
     Each result is (output name, array, send as binary)."""
-    described: list[dict[str, object]] = []
+    outputs: list[dict[str, object]] = []
     chunks: list[bytes] = []
     for name, array, binary in results:
         datatype = datatype_of(array.dtype)
@@ -141,11 +141,11 @@ def encode(
         else:
             # orjson writes a C-contiguous array's numbers straight from its buffer.
             out["data"] = np.ascontiguousarray(array).ravel()
-        described.append(out)
+        outputs.append(out)
     answer: dict[str, object] = {"model_name": model_name, "model_version": model_version}
     if request_id is not None:
         answer["id"] = request_id
-    answer["outputs"] = described
+    answer["outputs"] = outputs
     header = orjson.dumps(answer, option=_ORJSON)
     if not chunks:
         return header, None
@@ -160,15 +160,15 @@ def metadata(
         "name": name,
         "versions": [str(v) for v in versions],
         "platform": "onnx_onnxv1",
-        "inputs": [spec.describe() for spec in inputs],
-        "outputs": [spec.describe() for spec in outputs],
+        "inputs": [spec.tensor_metadata() for spec in inputs],
+        "outputs": [spec.tensor_metadata() for spec in outputs],
     }
 
 
-def specs(described: object) -> dict[str, TensorSpec]:
+def specs(listed: object) -> dict[str, TensorSpec]:
     """TensorSpecs back from a version's stored `inputs` or `outputs` list."""
     found: dict[str, TensorSpec] = {}
-    for item in described if isinstance(described, list) else ():
+    for item in listed if isinstance(listed, list) else ():
         spec = TensorSpec(str(item["name"]), str(item["datatype"]), tuple(item["shape"]))
         found[spec.name] = spec
     return found

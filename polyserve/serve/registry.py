@@ -120,7 +120,7 @@ class Registry:
                 continue
             if self.broadcast.releases(slot) != active.releases:
                 # Released on demand: the next request imports it.
-                self.meter.evicted(slot, Cell.EVICTED_DEMAND)
+                self.meter.count_release(slot, Cell.RELEASED_DEMAND)
                 self.held.retire(active)
             else:
                 # A failure is logged; the next request retries and reports it.
@@ -135,7 +135,7 @@ class Registry:
             if a.inflight == 0 and now - a.last_used >= self.idle_ttl
         ]
         for active in idle:
-            self.meter.evicted(active.slot, Cell.EVICTED_IDLE)
+            self.meter.count_release(active.slot, Cell.RELEASED_IDLE)
             self.held.retire(active)
         await self.held.wait_dropped(idle)
         return [a.imported.space for a in idle]

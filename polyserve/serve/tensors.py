@@ -68,7 +68,7 @@ class TensorSpec:
     datatype: str
     shape: tuple[int, ...]
 
-    def describe(self) -> dict[str, object]:
+    def tensor_metadata(self) -> dict[str, object]:
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
 
 

@@ -10,7 +10,7 @@ from polyserve.state.shm import Table
 
 # SIGWINCH: gunicorn's worker and uvicorn-worker leave it unused, and its default
 # action is to ignore it, so a signal that reaches a worker before its handler is
-# installed is harmless instead of fatal. Workers also only publish their pid once
+# installed is harmless instead of fatal. Workers also only record their pid once
 # the handler is in place.
 SIGNAL = signal.SIGWINCH
 
@@ -19,9 +19,9 @@ class Broadcast:
     """One process's handle on the per-space words (generation, release, held versions)
     and on the worker pid rows: how a change in one worker reaches the others."""
 
-    def __init__(self, table: Table, worker_slot: int | None) -> None:
+    def __init__(self, table: Table, row: int | None) -> None:
         self.table = table
-        self.worker_slot = worker_slot
+        self.row = row
 
     def generation(self, space_slot: int) -> int:
         return self.table.generations[space_slot]
@@ -42,8 +42,8 @@ class Broadcast:
     def hold(self, space_slot: int, version: int) -> None:
         """Say which is the oldest version of a space this worker holds or is loading
         (0: none), so that nobody prunes it or hands the slot to another space."""
-        if self.worker_slot is not None:
-            self.table.words[self.table.held_index(self.worker_slot, space_slot)] = version
+        if self.row is not None:
+            self.table.words[self.table.held_index(self.row, space_slot)] = version
 
     def oldest_held(self, space_slot: int) -> int | None:
         """The oldest version of the space any worker holds, or None when none does."""
@@ -51,10 +51,10 @@ class Broadcast:
         held = held[held > 0]
         return int(held.min()) if held.size else None
 
-    def publish_pid(self) -> None:
+    def record_pid(self) -> None:
         """Make this worker reachable by announce(); call once the handler is installed."""
-        if self.worker_slot is not None:
-            self.table.pids[self.worker_slot] = os.getpid()
+        if self.row is not None:
+            self.table.pids[self.row] = os.getpid()
 
     def announce(self) -> int:
         """Signal every other live worker to re-check its spaces; returns how many."""

@@ -3,7 +3,7 @@
 The history is one JSON event a line in ``spaces/<owner>/<name>/history.jsonl``: each
 move of ``current`` (a deploy, a rollback, a delete) and each release. The
 last ``keep_versions`` versions it names as made current are the ones pruning keeps,
-whatever their numbers. `describe` and `rollback_target` are the same on a host and in a
+whatever their numbers. `version_summary` and `rollback_target` are the same on a host and in a
 fleet, whose history is its change log.
 """
 
@@ -81,7 +81,7 @@ class History:
         return ranked + rest
 
 
-def describe(meta: dict[str, object], number: int, current: int | None) -> dict[str, object]:
+def version_summary(meta: dict[str, object], number: int, current: int | None) -> dict[str, object]:
     """One version as the versions answer lists it."""
     return {
         "version": number,

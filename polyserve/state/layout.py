@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from polyserve.names import DEFAULT_POOL
-from polyserve.state.history import describe
+from polyserve.state.history import version_summary
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class Layout:
         for number in self.kept(space):
             meta = self.meta(space, number)
             if meta is not None:  # pruned since kept() looked
-                found.append(describe(meta, number, current))
+                found.append(version_summary(meta, number, current))
         return found
 
 

@@ -34,7 +34,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 MAGIC = 0x70_6F_6C_79_73_72_76  # "polysrv"
-LAYOUT_VERSION = 5  # 5: the eviction cells (polyserve.usage.meter)
+LAYOUT_VERSION = 5  # 5: the release cells (polyserve.usage.meter)
 HEADER_WORDS = 8
 H_STARTED, H_ALIVE = 5, 6
 WORKER_WORDS = 2  # pid, in flight
@@ -72,7 +72,7 @@ class Table:
     def __init__(
         self,
         buf: memoryview | mmap.mmap,
-        worker_slots: int,
+        worker_rows: int,
         space_slots: int,
         cells: int,
         shm: shared_memory.SharedMemory | None = None,
@@ -80,10 +80,10 @@ class Table:
         self._shm = shm
         self._buf = buf
         self.words = memoryview(buf).cast("q")
-        self.worker_slots = worker_slots
+        self.worker_rows = worker_rows
         self.space_slots = space_slots
         self.cells = cells
-        w, s = worker_slots, space_slots
+        w, s = worker_rows, space_slots
         self.pids = self.words[HEADER_WORDS : HEADER_WORDS + WORKER_WORDS * w : WORKER_WORDS]
         self.workers_base = HEADER_WORDS
         gen = HEADER_WORDS + WORKER_WORDS * w
@@ -94,8 +94,8 @@ class Table:
         self.base_row = w  # the master's row of restored totals
 
     @staticmethod
-    def size_for(worker_slots: int, space_slots: int, cells: int) -> int:
-        w, s = worker_slots, space_slots
+    def size_for(worker_rows: int, space_slots: int, cells: int) -> int:
+        w, s = worker_rows, space_slots
         return 8 * (HEADER_WORDS + WORKER_WORDS * w + 2 * s + w * s + (w + 1) * s * cells)
 
     def inflight_index(self, row: int) -> int:
@@ -109,18 +109,18 @@ class Table:
 
     def held_array(self) -> np.ndarray:
         """The held words as a (W, S) view."""
-        n = self.worker_slots * self.space_slots
+        n = self.worker_rows * self.space_slots
         flat = np.frombuffer(self._buf, dtype=np.int64, count=n, offset=8 * self.held_base)
-        return flat.reshape(self.worker_slots, self.space_slots)
+        return flat.reshape(self.worker_rows, self.space_slots)
 
     def cell_array(self) -> np.ndarray:
         """All usage cells as a (W+1, S, C) view, for readers that sum."""
-        n = (self.worker_slots + 1) * self.space_slots * self.cells
+        n = (self.worker_rows + 1) * self.space_slots * self.cells
         flat = np.frombuffer(self._buf, dtype=np.int64, count=n, offset=8 * self.cells_base)
-        return flat.reshape(self.worker_slots + 1, self.space_slots, self.cells)
+        return flat.reshape(self.worker_rows + 1, self.space_slots, self.cells)
 
     def inflight_array(self) -> np.ndarray:
-        n = WORKER_WORDS * self.worker_slots
+        n = WORKER_WORDS * self.worker_rows
         flat = np.frombuffer(self._buf, dtype=np.int64, count=n, offset=8 * self.workers_base)
         return flat[1::WORKER_WORDS]
 
@@ -132,18 +132,18 @@ class Table:
 
     def _init_header(self) -> None:
         for i, v in enumerate(
-            (MAGIC, LAYOUT_VERSION, self.worker_slots, self.space_slots, self.cells)
+            (MAGIC, LAYOUT_VERSION, self.worker_rows, self.space_slots, self.cells)
         ):
             self.words[i] = v
 
     @classmethod
-    def create(cls, name: str, worker_slots: int, space_slots: int, cells: int) -> Table:
+    def create(cls, name: str, worker_rows: int, space_slots: int, cells: int) -> Table:
         """Create the named segment; a leftover must have been dealt with (see attach)."""
         with _untracked():
             shm = shared_memory.SharedMemory(
-                name=name, create=True, size=cls.size_for(worker_slots, space_slots, cells)
+                name=name, create=True, size=cls.size_for(worker_rows, space_slots, cells)
             )
-        table = cls(_buffer(shm), worker_slots, space_slots, cells, shm=shm)
+        table = cls(_buffer(shm), worker_rows, space_slots, cells, shm=shm)
         table._init_header()
         return table
 
@@ -165,10 +165,10 @@ class Table:
         return cls(_buffer(shm), w, s, c, shm=shm)
 
     @classmethod
-    def anonymous(cls, worker_slots: int, space_slots: int, cells: int) -> Table:
+    def anonymous(cls, worker_rows: int, space_slots: int, cells: int) -> Table:
         """A private table for a host app running without gunicorn (in-process tests)."""
-        size = cls.size_for(worker_slots, space_slots, cells)
-        table = cls(mmap.mmap(-1, size), worker_slots, space_slots, cells)
+        size = cls.size_for(worker_rows, space_slots, cells)
+        table = cls(mmap.mmap(-1, size), worker_rows, space_slots, cells)
         table._init_header()
         return table
 

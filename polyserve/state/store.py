@@ -119,7 +119,7 @@ class Store(Layout):
             "pool": staged.pool,
             "deployed_at": meta.get("deployed_at", time.time()),
         }
-        fresh = self.install(space, number, staged)
+        fresh = self.place(space, number, staged)
         try:
             slot = self.point(space, number, meta, reclaim)
         except BaseException:
@@ -129,7 +129,7 @@ class Store(Layout):
             raise
         return slot, number
 
-    def install(self, space: str, number: int, staged: Staged) -> bool:
+    def place(self, space: str, number: int, staged: Staged) -> bool:
         """Move a stage into place as version `number`, unless that version's files are
         there already (a fleet host fetching what it has). Files under that number whose
         metadata names another upload, or none, are not reused but replaced: a fleet
@@ -227,7 +227,7 @@ class Store(Layout):
         """Remove the versions nobody can use any more. Kept: the current one and the
         ones made current most recently, keep_versions in all (none once the space is
         deleted), and every version numbered from the oldest one a worker holds — a
-        draining request or a slow load may still read its files (a worker publishes
+        draining request or a slow load may still read its files (a worker writes
         only the oldest number it holds, so everything from there up stays). Hold
         locked()."""
         sdir = self.space_dir(space)

@@ -116,7 +116,8 @@ def extract_tar(upload: BinaryIO, dest: Path, max_unpacked: int, filename: str) 
         details = {"member": _clip(current)} if current else {}
         raise ClientError(
             422,
-            "module must be a .py file or a valid tar (plain or gzip): " + _describe(exc, dest),
+            "module must be a .py file or a valid tar (plain or gzip): "
+            + _error_message(exc, dest),
             filename=_clip(filename),
             **details,
         ) from None
@@ -243,7 +244,7 @@ def _too_big(cap: int) -> ClientError:
     )
 
 
-def _describe(exc: BaseException, dest: Path) -> str:
+def _error_message(exc: BaseException, dest: Path) -> str:
     """An error message fit for the client: no host path, no unbounded echo."""
     # An OSError's str() adds the file name, a path under dest: keep its strerror only.
     text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

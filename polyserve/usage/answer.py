@@ -27,10 +27,10 @@ Only = Literal["host"]
 class Usage:
     """The host's usage as the control plane answers it, read from the shared table."""
 
-    def __init__(self, table: Table, store: Store, threads: anyio.CapacityLimiter) -> None:
+    def __init__(self, table: Table, store: Store, host_limiter: anyio.CapacityLimiter) -> None:
         self.table = table
         self.store = store
-        self.threads = threads  # the host's own threads: reading /proc runs on them
+        self.host_limiter = host_limiter  # the host's own threads: reading /proc runs on them
 
     def snapshot(self) -> Snapshot:
         return meter.snapshot(self.table, self.store.slots.ledger(), meter.now_us())
@@ -41,7 +41,7 @@ class Usage:
         pids = [pid for pid in self.table.pids.tolist() if pid]
         # On a host thread: reading every worker's maps is a few system calls each.
         return await anyio.to_thread.run_sync(
-            mapped_by_space, self.store.spaces_dir, pids, limiter=self.threads
+            mapped_by_space, self.store.spaces_dir, pids, limiter=self.host_limiter
         )
 
     async def json(self, only: Only | None = None) -> bytes:
@@ -82,9 +82,9 @@ def usage(snap: Snapshot, mapped: Mapping[str, int] | None = None) -> dict[str, 
         snap.workers_loaded.tolist(),
         (snap.last_import_us / 1000).round(3).tolist(),
         (snap.memory_bytes // 1024).tolist(),
-        t[:, Cell.EVICTED_IDLE].tolist(),
-        t[:, Cell.EVICTED_MEMORY].tolist(),
-        t[:, Cell.EVICTED_DEMAND].tolist(),
+        t[:, Cell.RELEASED_IDLE].tolist(),
+        t[:, Cell.RELEASED_MEMORY].tolist(),
+        t[:, Cell.RELEASED_DEMAND].tolist(),
         mapped_kib,
         t[:, Cell.BATCHES].tolist(),
         t[:, Cell.BATCH_ROWS].tolist(),
@@ -102,15 +102,15 @@ def usage(snap: Snapshot, mapped: Mapping[str, int] | None = None) -> dict[str, 
             "last_import_ms": li,
             "memory_kib": k,
             # Flat: a nested object per space made the answer much slower (bench/NOTES.md,
-            # "Memory cap", what the eviction counts cost the usage answer).
-            "evicted_idle": ei,
-            "evicted_memory": em,
-            "evicted_demand": ed,
+            # "Memory cap", what the release counts cost the usage answer).
+            "released_idle": ri,
+            "released_memory": rm,
+            "released_demand": rd,
             "mapped_kib": mk,
             "batches": ba,
             "batch_rows": br,
         }
-        for name, r, b, w, lo, e, c, wl, li, k, ei, em, ed, mk, ba, br in columns
+        for name, r, b, w, lo, e, c, wl, li, k, ri, rm, rd, mk, ba, br in columns
     }
     return {"spaces": spaces, "host": host_usage(snap)}
 

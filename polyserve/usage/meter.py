@@ -11,9 +11,9 @@ Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserv
     IMPORT_US        µs spent importing and starting, all loads together
     LAST_IMPORT_US   µs of the latest load
     MEMORY_BYTES     anonymous memory the latest load added to its worker
-    EVICTED_IDLE     releases after POLYSERVE_IDLE_TTL idle seconds
-    EVICTED_MEMORY   releases to keep the worker under POLYSERVE_WORKER_MEMORY_MB
-    EVICTED_DEMAND   releases on demand (POST …/release), one per worker holding it
+    RELEASED_IDLE    releases after POLYSERVE_IDLE_TTL idle seconds
+    RELEASED_MEMORY  releases to keep the worker under POLYSERVE_WORKER_MEMORY_MB
+    RELEASED_DEMAND  releases on demand (POST …/release), one per worker holding it
     BATCHES          batched runs made (polyserve.serve.batching), beside REQUESTS
     BATCH_ROWS       rows those runs computed, all batches together
 
@@ -51,9 +51,9 @@ class Cell(IntEnum):
     IMPORT_US = 6
     LAST_IMPORT_US = 7
     MEMORY_BYTES = 8
-    EVICTED_IDLE = 9
-    EVICTED_MEMORY = 10
-    EVICTED_DEMAND = 11
+    RELEASED_IDLE = 9
+    RELEASED_MEMORY = 10
+    RELEASED_DEMAND = 11
     BATCHES = 12
     BATCH_ROWS = 13
 
@@ -71,9 +71,9 @@ TOTALS = (
     Cell.RESIDENT_US,
     Cell.LOADS,
     Cell.IMPORT_US,
-    Cell.EVICTED_IDLE,
-    Cell.EVICTED_MEMORY,
-    Cell.EVICTED_DEMAND,
+    Cell.RELEASED_IDLE,
+    Cell.RELEASED_MEMORY,
+    Cell.RELEASED_DEMAND,
     Cell.BATCHES,
     Cell.BATCH_ROWS,
 )
@@ -81,12 +81,18 @@ BILLED = TOTALS[:6]
 _TOTAL_CELLS = [int(c) for c in TOTALS]
 TOTAL_NAMES = tuple(c.name.lower() for c in TOTALS)  # as checkpoints name them
 BILLED_NAMES = TOTAL_NAMES[: len(BILLED)]  # as the fleet's ledger names them
-# Why a worker let a space go, as the usage answer (evicted_<reason>) and Prometheus name it.
+# Checkpoints written before the release counts were renamed name them evicted_<reason>.
+_OLD_TOTAL_NAMES = {
+    "evicted_idle": "released_idle",
+    "evicted_memory": "released_memory",
+    "evicted_demand": "released_demand",
+}
+# Why a worker let a space go, as the usage answer (released_<reason>) and Prometheus name it.
 Reason = Literal["idle", "memory", "demand"]
-EVICTIONS: dict[Reason, Cell] = {
-    "idle": Cell.EVICTED_IDLE,
-    "memory": Cell.EVICTED_MEMORY,
-    "demand": Cell.EVICTED_DEMAND,
+RELEASES: dict[Reason, Cell] = {
+    "idle": Cell.RELEASED_IDLE,
+    "memory": Cell.RELEASED_MEMORY,
+    "demand": Cell.RELEASED_DEMAND,
 }
 
 
@@ -138,8 +144,8 @@ class Meter:
         if words[base + Cell.LOADED_SINCE_US] == 0:  # a swap does not restart the stretch
             words[base + Cell.LOADED_SINCE_US] = max(started, 1)  # 0 means "not loaded"
 
-    def evicted(self, slot: int, cell: Cell) -> None:
-        """The worker let the space go for the reason `cell` (one of EVICTIONS)."""
+    def count_release(self, slot: int, cell: Cell) -> None:
+        """The worker let the space go for the reason `cell` (one of RELEASES)."""
         self.words[self._row + slot * CELLS + cell] += 1
 
     def batched(self, slot: int, batches: int, rows: int) -> None:
@@ -306,7 +312,7 @@ def checkpoint_totals(path: Path, ledger: Ledger) -> np.ndarray | None:
     t = np.zeros((len(ledger.names), CELLS), dtype=np.int64)
     for slot, name in enumerate(ledger.names):
         for key, value in saved.get(name, {}).items():
-            t[slot, Cell[key.upper()]] = value
+            t[slot, Cell[_OLD_TOTAL_NAMES.get(key, key).upper()]] = value
         if slot in ledger.offsets:
             t[slot, _TOTAL_CELLS] -= _widen(ledger.offsets[slot])
     return t

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from polyserve.usage.meter import EVICTIONS, Cell, Snapshot
+from polyserve.usage.meter import RELEASES, Cell, Snapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -119,16 +119,16 @@ class _SnapshotCollector:
             "Seconds since the master started.",
             value=snap.uptime_us / 1e6,
         )
-        evictions = CounterMetricFamily(
-            "polyserve_space_evictions",
+        releases = CounterMetricFamily(
+            "polyserve_space_releases",
             "Releases of the space by a worker, by reason: idle (POLYSERVE_IDLE_TTL), memory"
             " (POLYSERVE_WORKER_MEMORY_MB) or demand (a release request).",
             labels=["space", "reason"],
         )
-        for reason, cell in EVICTIONS.items():
+        for reason, cell in RELEASES.items():
             for space, value in zip(snap.names, snap.totals[:, cell].tolist(), strict=True):
-                evictions.add_metric([space, reason], value)
-        yield evictions
+                releases.add_metric([space, reason], value)
+        yield releases
         if self.fleet is not None:
             applied, last = self.fleet
             yield GaugeMetricFamily(

@@ -472,7 +472,7 @@ def test_a_fleet_host_refuses_dependencies_it_cannot_install_everywhere(tmp_path
     root = space_dir(tmp_path, {"main.py": V1, "requirements.txt": "pkg-a\n"})
     staged = type("Staged", (), {"dir": root})()
     fake = Deploys.__new__(Deploys)
-    fake.settings, fake.fleet, fake.threads = settings.load({}), object(), None
+    fake.settings, fake.fleet, fake.host_limiter = settings.load({}), object(), None
     with pytest.raises(ClientError, match="fleet"):
         asyncio.run(fake._dependencies(staged))  # type: ignore[arg-type]
 

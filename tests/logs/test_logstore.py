@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from polyserve.logs.logstore import CURRENT, LogStore
+from polyserve.logs.logstore import OPEN_SEGMENT, LogStore
 
 SPACE = "o/s"
 
@@ -131,7 +131,7 @@ def test_a_segment_left_full_by_a_writer_that_died_is_rotated_by_the_next(tmp_pa
     store = LogStore(tmp_path / "logs", 1024)
     store.open(SPACE)
     store.append(SPACE, line("first"))
-    with open(store.dir(SPACE) / CURRENT, "ab") as f:  # full, and nobody rotated it
+    with open(store.dir(SPACE) / OPEN_SEGMENT, "ab") as f:  # full, and nobody rotated it
         f.write(line("x" * 600))
     assert store.append(SPACE, line("after"))
     assert messages(store.read(SPACE, 0)[0]) == ["first", "x" * 600, "after"]
@@ -139,7 +139,7 @@ def test_a_segment_left_full_by_a_writer_that_died_is_rotated_by_the_next(tmp_pa
 
 def test_a_line_that_is_not_a_record_is_skipped(store):
     store.append(SPACE, line("one"))
-    with open(store.dir(SPACE) / CURRENT, "ab") as f:
+    with open(store.dir(SPACE) / OPEN_SEGMENT, "ab") as f:
         f.write(b'{"time": 1.0, "message": "torn{"time": 2.0}\n[1, 2]\n\xff\n')
     store.append(SPACE, line("two"))
     assert messages(store.read(SPACE, 0)[0]) == ["one", "two"]
@@ -158,11 +158,11 @@ def test_a_write_the_disk_took_only_part_of_is_cut_off(store, monkeypatch):
 
 def test_a_record_being_written_is_left_for_the_next_read(store):
     store.append(SPACE, line("one"))
-    with open(store.dir(SPACE) / CURRENT, "ab") as f:
+    with open(store.dir(SPACE) / OPEN_SEGMENT, "ab") as f:
         f.write(b'{"time": 1.0, "message": "half')
     records, after = store.read(SPACE, 0)
     assert messages(records) == ["one"]
-    with open(store.dir(SPACE) / CURRENT, "ab") as f:
+    with open(store.dir(SPACE) / OPEN_SEGMENT, "ab") as f:
         f.write(b' done"}\n')
     assert messages(store.read(SPACE, after)[0]) == ["half done"]
 

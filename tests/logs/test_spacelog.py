@@ -15,7 +15,7 @@ import pytest
 
 from polyserve.logs import spacelog
 from polyserve.logs.logstore import LogStore
-from polyserve.logs.spacelog import CURRENT, MESSAGE_MAX, Channel, Tag
+from polyserve.logs.spacelog import MESSAGE_MAX, RUNNING, Channel, Tag
 
 
 @pytest.fixture
@@ -25,13 +25,13 @@ def store(tmp_path: Path) -> LogStore:
 
 @contextlib.contextmanager
 def capturing(store: LogStore) -> Iterator[spacelog.Capture]:
-    """install() as a worker does. In the test's body: pytest puts its own sys.stdout in
+    """start_capture() as a worker does. In the test's body: pytest puts its own sys.stdout in
     place when the test starts, after every fixture."""
-    installed = spacelog.install(store, rate=100)
+    installed = spacelog.start_capture(store, rate=100)
     try:
         yield installed
     finally:
-        spacelog.uninstall(installed)
+        spacelog.stop_capture(installed)
 
 
 def records(store: LogStore, space: str) -> list[dict]:
@@ -46,7 +46,7 @@ def test_interleaved_tasks_and_threads_of_two_spaces_each_log_as_their_own(store
         tenant = logging.getLogger("tenant")
 
         async def request(tag: Tag, i: int) -> None:
-            token = CURRENT.set(tag)
+            token = RUNNING.set(tag)
             try:
                 for step in range(3):
                     print(f"{tag.space} print {i}.{step}")
@@ -58,7 +58,7 @@ def test_interleaved_tasks_and_threads_of_two_spaces_each_log_as_their_own(store
                 except ValueError as exc:
                     tag.exception(exc, "a test")
             finally:
-                CURRENT.reset(token)
+                RUNNING.reset(token)
 
         async def main() -> None:
             await asyncio.gather(*(request(t, i) for i in range(10) for t in (a, b)))
@@ -83,7 +83,7 @@ def test_what_the_host_writes_and_logs_passes_through_unchanged(store, capsys):
 
 
 def test_a_host_record_no_handler_takes_still_goes_to_the_last_resort(store, capsys, monkeypatch):
-    # pytest's own handlers are gone while it runs; patched before install() adds its
+    # pytest's own handlers are gone while it runs; patched before start_capture() adds its
     # handler, so that restoring the list at teardown does not bring that handler back.
     monkeypatch.setattr(logging.getLogger(), "handlers", [])
     with capturing(store):
@@ -95,11 +95,11 @@ def test_a_host_record_no_handler_takes_still_goes_to_the_last_resort(store, cap
 def test_the_echo_to_the_host_log_names_space_version_and_pid(store, caplog):
     with capturing(store) as capture:
         tag = spacelog.tag("o/echo", 3)
-        token = CURRENT.set(tag)
+        token = RUNNING.set(tag)
         try:
             print("hello from the space")
         finally:
-            CURRENT.reset(token)
+            RUNNING.reset(token)
         assert f"[space o/echo v3 pid {capture.pid}] hello from the space" in caplog.text
 
 
@@ -120,11 +120,11 @@ def test_the_echo_is_one_line_with_controls_escaped_and_the_log_keeps_the_text(
 ):
     with capturing(store) as capture:
         tag = spacelog.tag("o/forge", 1)
-        token = CURRENT.set(tag)
+        token = RUNNING.set(tag)
         try:
             logging.getLogger("tenant").warning(said)
         finally:
-            CURRENT.reset(token)
+            RUNNING.reset(token)
         (record,) = [r for r in caplog.records if r.name == "polyserve.space"]
         assert record.getMessage() == f"[space o/forge v1 pid {capture.pid}] {echoed}"
         assert [r["message"] for r in records(store, "o/forge")] == [said]
@@ -148,25 +148,25 @@ def test_an_exception_is_echoed_as_one_line(store, caplog, tmp_path):
 def test_lines_are_joined_across_writes_and_flush_ends_a_partial_one(store):
     with capturing(store):
         tag = spacelog.tag("o/p", 1)
-        token = CURRENT.set(tag)
+        token = RUNNING.set(tag)
         try:
             sys.stdout.write("a")
             sys.stdout.write("b\nc")
             assert [r["message"] for r in records(store, "o/p")] == ["ab"]
             print("d", end="", flush=True)
         finally:
-            CURRENT.reset(token)
+            RUNNING.reset(token)
         assert [r["message"] for r in records(store, "o/p")] == ["ab", "cd"]
 
 
 def test_a_long_line_keeps_its_head_and_tail_with_a_marker(store):
     with capturing(store):
         tag = spacelog.tag("o/long", 1)
-        token = CURRENT.set(tag)
+        token = RUNNING.set(tag)
         try:
             print("head" + "x" * 50_000 + "tail")
         finally:
-            CURRENT.reset(token)
+            RUNNING.reset(token)
         (record,) = records(store, "o/long")
         message = record["message"]
         assert message.startswith("headx") and message.endswith("xtail")
@@ -209,8 +209,8 @@ def test_an_exception_shows_the_spaces_frames_with_paths_relative_to_its_version
     assert "test_spacelog.py" not in message and str(tmp_path) not in message
 
 
-def test_uninstall_puts_back_the_streams_and_the_root_logger(store):
+def test_stop_capture_puts_back_the_streams_and_the_root_logger(store):
     before = (sys.stdout, sys.stderr, logging.getLogger().level, list(logging.getLogger().handlers))
-    spacelog.uninstall(spacelog.install(store, rate=100))
+    spacelog.stop_capture(spacelog.start_capture(store, rate=100))
     after = (sys.stdout, sys.stderr, logging.getLogger().level, list(logging.getLogger().handlers))
     assert after == before

@@ -60,7 +60,7 @@ def test_a_capped_worker_releases_idle_spaces_and_answers_503_when_nothing_can_g
     spaces = usage(host)
     assert [spaces[n]["loaded"] for n in names] == [False, False, True]
     hog0 = spaces["o/hog0"]
-    assert (hog0["evicted_idle"], hog0["evicted_memory"], hog0["evicted_demand"]) == (0, 2, 0)
+    assert (hog0["released_idle"], hog0["released_memory"], hog0["released_demand"]) == (0, 2, 0)
 
     answers = []
     slow = threading.Thread(target=lambda: answers.append(host.get("/s/o/hog0/slow")))

@@ -42,7 +42,7 @@ class World:
     def __init__(self, tmp_path: Path) -> None:
         self.store = Store(tmp_path / "data", max_spaces=8)
         self.table = Table.anonymous(1, 8, CELLS)
-        self.broadcast = Broadcast(self.table, worker_slot=0)
+        self.broadcast = Broadcast(self.table, row=0)
         self.clock = Clock()
         self.meter = Meter(self.table, 0, clock=lambda: int(self.clock.now * 1_000_000))
         self.registry = Registry(self.store, self.broadcast, self.meter, TTL, 5.0, clock=self.clock)
@@ -439,11 +439,11 @@ async def calls_at(world: World, *timeline: tuple[float, str]) -> None:
         await world.call(name)
 
 
-def evictions(world: World, space: str) -> tuple[int, int, int]:
+def releases(world: World, space: str) -> tuple[int, int, int]:
     return (
-        world.cell(space, Cell.EVICTED_IDLE),
-        world.cell(space, Cell.EVICTED_MEMORY),
-        world.cell(space, Cell.EVICTED_DEMAND),
+        world.cell(space, Cell.RELEASED_IDLE),
+        world.cell(space, Cell.RELEASED_MEMORY),
+        world.cell(space, Cell.RELEASED_DEMAND),
     )
 
 
@@ -454,7 +454,7 @@ def test_at_its_memory_cap_a_worker_releases_the_least_recently_used_idle_space(
     run(calls_at(capped, (1.0, "o/a"), (2.0, "o/b"), (3.0, "o/a"), (4.0, "o/c")))
     assert sorted(capped.registry.active) == ["o/a", "o/c"]
     assert Ballast.held() == 8 * MIB  # o/b's memory is gone already, not at the next second
-    assert evictions(capped, "o/b") == (0, 1, 0) and evictions(capped, "o/a") == (0, 0, 0)
+    assert releases(capped, "o/b") == (0, 1, 0) and releases(capped, "o/a") == (0, 0, 0)
 
 
 def test_a_space_with_a_request_in_flight_is_never_released_for_memory(capped):
@@ -472,7 +472,7 @@ def test_a_space_with_a_request_in_flight_is_never_released_for_memory(capped):
 
     run(main())
     assert sorted(capped.registry.active) == ["o/a", "o/c"]
-    assert evictions(capped, "o/a") == (0, 0, 0) and evictions(capped, "o/b") == (0, 1, 0)
+    assert releases(capped, "o/a") == (0, 0, 0) and releases(capped, "o/b") == (0, 1, 0)
 
 
 def test_a_load_that_cannot_fit_is_refused_and_the_worker_keeps_serving(capped):
@@ -511,10 +511,10 @@ def test_a_load_of_known_size_makes_room_before_it_imports(capped):
 
     # o/a's second load: o/b and o/c (8 MiB) were held; room for 4 more was made first.
     assert run(main()) <= 6 * MIB
-    assert evictions(capped, "o/a") == (0, 1, 0)
+    assert releases(capped, "o/a") == (0, 1, 0)
 
 
-def test_evictions_are_counted_by_reason(capped):
+def test_releases_are_counted_by_reason(capped):
     """Idle TTL, memory and release on demand each count in their own cell."""
     capped.registry.cap.limit = 0  # no cap until the memory step
     capped.deploy("o/s", ballast(4))
@@ -533,8 +533,8 @@ def test_evictions_are_counted_by_reason(capped):
         await capped.call("o/t")  # memory
 
     run(main())
-    assert evictions(capped, "o/s") == (1, 1, 1)
-    assert evictions(capped, "o/t") == (0, 0, 0)
+    assert releases(capped, "o/s") == (1, 1, 1)
+    assert releases(capped, "o/t") == (0, 0, 0)
 
 
 def test_a_space_bigger_than_the_cap_alone_is_refused_saying_so(capped):
@@ -580,7 +580,7 @@ def test_a_hot_swap_under_the_cap_lets_the_idle_old_version_go_for_the_new(cappe
     assert run(main()) == [2, 2]
     assert capped.registry.active["o/s"].version.number == 2
     assert Ballast.held() == 6 * MIB
-    assert evictions(capped, "o/s") == (0, 0, 0)
+    assert releases(capped, "o/s") == (0, 0, 0)
     assert capped.cell("o/s", Cell.LOADED_SINCE_US) == since  # one stretch, not two
     assert capped.cell("o/s", Cell.RESIDENT_US) == 0
 
@@ -680,7 +680,7 @@ def test_a_load_is_billed_its_own_time_not_the_evictions_it_waited_for(capped, m
         await calls_at(capped, (TTL + 10, "o/a"))  # evicts o/b, idle longest
 
     run(main())
-    assert evictions(capped, "o/b") == (0, 1, 0)
+    assert releases(capped, "o/b") == (0, 1, 0)
     assert capped.cell("o/a", Cell.LAST_IMPORT_US) == 0  # the clock stands still in imports
     after_eviction = int((TTL + 15) * 1_000_000)
     assert capped.cell("o/a", Cell.LOADED_SINCE_US) == after_eviction
@@ -762,7 +762,7 @@ def test_a_load_short_of_room_waits_for_another_spaces_request_to_end(capped):
         return await load
 
     assert run(main()) == 1
-    assert sorted(capped.registry.active) == ["o/big"] and evictions(capped, "o/a") == (0, 1, 0)
+    assert sorted(capped.registry.active) == ["o/big"] and releases(capped, "o/a") == (0, 1, 0)
 
 
 def test_a_load_waits_for_a_hung_import_only_as_long_as_an_import_may_take(capped, tmp_path):

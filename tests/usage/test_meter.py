@@ -204,9 +204,9 @@ def test_a_slot_is_reclaimable_only_once_nobody_holds_or_warms_it():
         Cell.RESIDENT_US: 2 * S,
         Cell.LOADS: 1,
         Cell.IMPORT_US: 0,
-        Cell.EVICTED_IDLE: 0,
-        Cell.EVICTED_MEMORY: 0,
-        Cell.EVICTED_DEMAND: 0,
+        Cell.RELEASED_IDLE: 0,
+        Cell.RELEASED_MEMORY: 0,
+        Cell.RELEASED_DEMAND: 0,
         Cell.BATCHES: 0,
         Cell.BATCH_ROWS: 0,
     }
@@ -234,33 +234,33 @@ def test_usage_is_per_name_across_a_slot_hand_over(tmp_path):
     assert after["o/new"]["errors"] == 1
 
 
-def evicted(u: dict) -> tuple[int, int, int]:
-    return u["evicted_idle"], u["evicted_memory"], u["evicted_demand"]
+def released(u: dict) -> tuple[int, int, int]:
+    return u["released_idle"], u["released_memory"], u["released_demand"]
 
 
-def test_usage_counts_evictions_by_reason_over_every_worker():
-    """Each worker's idle, memory and on-demand releases sum per space (evicted_<reason>)."""
+def test_usage_counts_releases_by_reason_over_every_worker():
+    """Each worker's idle, memory and on-demand releases sum per space (released_<reason>)."""
     table, clock, meters = world()
-    meters[0].evicted(0, Cell.EVICTED_MEMORY)
-    meters[1].evicted(0, Cell.EVICTED_MEMORY)
-    meters[1].evicted(0, Cell.EVICTED_IDLE)
-    meters[2].evicted(1, Cell.EVICTED_DEMAND)
+    meters[0].count_release(0, Cell.RELEASED_MEMORY)
+    meters[1].count_release(0, Cell.RELEASED_MEMORY)
+    meters[1].count_release(0, Cell.RELEASED_IDLE)
+    meters[2].count_release(1, Cell.RELEASED_DEMAND)
     u = answer.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]
-    assert evicted(u["o/a"]) == (1, 2, 0) and evicted(u["o/b"]) == (0, 0, 1)
+    assert released(u["o/a"]) == (1, 2, 0) and released(u["o/b"]) == (0, 0, 1)
     samples = {
         (s.name, s.labels["space"], s.labels["reason"]): s.value
         for f in text_string_to_metric_families(
             prometheus.exposition(meter.snapshot(table, SPACES, clock.now)).decode()
         )
         for s in f.samples
-        if s.name == "polyserve_space_evictions_total"
+        if s.name == "polyserve_space_releases_total"
     }
-    assert samples[("polyserve_space_evictions_total", "o/a", "memory")] == 2
-    assert samples[("polyserve_space_evictions_total", "o/b", "demand")] == 1
+    assert samples[("polyserve_space_releases_total", "o/a", "memory")] == 2
+    assert samples[("polyserve_space_releases_total", "o/b", "demand")] == 1
 
 
-def test_a_checkpoint_written_before_evictions_were_counted_still_restores(tmp_path):
-    """An older checkpoint (no eviction totals) restores its totals, evictions at 0."""
+def test_a_checkpoint_written_before_releases_were_counted_still_restores(tmp_path):
+    """An older checkpoint (no release totals) restores its totals, releases at 0."""
     path = tmp_path / "usage.json"
     old = {"requests": 5, "errors": 1, "busy_us": 7, "resident_us": 9, "loads": 2, "import_us": 3}
     path.write_text(json.dumps({"format": 1, "saved_at": 0, "spaces": {"o/a": old}}))
@@ -268,10 +268,27 @@ def test_a_checkpoint_written_before_evictions_were_counted_still_restores(tmp_p
     meter.set_base(table, meter.checkpoint_totals(path, SPACES))
     u = answer.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]["o/a"]
     assert (u["requests"], u["errors"], u["cold_starts"]) == (5, 1, 2)
-    assert evicted(u) == (0, 0, 0)
+    assert released(u) == (0, 0, 0)
 
 
-def test_a_hand_over_logged_before_evictions_were_counted_still_reads(tmp_path):
+def test_a_checkpoint_that_names_the_releases_evicted_still_restores_them(tmp_path):
+    """A checkpoint written before issue 26 names the release totals evicted_<reason>:
+    a restart on it restores them as released_<reason>."""
+    path = tmp_path / "usage.json"
+    old = {"requests": 5, "errors": 0, "busy_us": 7, "resident_us": 9, "loads": 2}
+    old |= {"import_us": 3, "evicted_idle": 4, "evicted_memory": 1, "evicted_demand": 6}
+    path.write_text(json.dumps({"format": 1, "saved_at": 0, "spaces": {"o/a": old}}))
+    table, clock, _ = world()
+    meter.set_base(table, meter.checkpoint_totals(path, SPACES))
+    u = answer.usage(meter.snapshot(table, SPACES, clock.now))["spaces"]["o/a"]
+    assert u["requests"] == 5 and released(u) == (4, 1, 6)
+    meter.checkpoint(table, SPACES, path, clock.now)  # written back under the new names
+    saved = json.loads(path.read_text())["spaces"]["o/a"]
+    assert released(saved) == (4, 1, 6)
+    assert not any(key.startswith("evicted_") for key in saved)
+
+
+def test_a_hand_over_logged_before_releases_were_counted_still_reads(tmp_path):
     """A slot log line with the six older totals hands the slot over as it did."""
     log = tmp_path / "slots.log"
     log.write_text("0\to/old\n0\to/new\t4,0,10,20,1,5\n")
@@ -279,7 +296,7 @@ def test_a_hand_over_logged_before_evictions_were_counted_still_reads(tmp_path):
     table, clock, (m, *_) = world()
     for _ in range(6):  # four by o/old before the hand-over, two by o/new after
         m.end(0, m.begin(), error=False)
-    m.evicted(0, Cell.EVICTED_IDLE)
+    m.count_release(0, Cell.RELEASED_IDLE)
     u = answer.usage(meter.snapshot(table, slots.ledger(), clock.now))["spaces"]
     assert (u["o/old"]["requests"], u["o/new"]["requests"]) == (4, 2)
-    assert evicted(u["o/new"]) == (1, 0, 0) and evicted(u["o/old"]) == (0, 0, 0)
+    assert released(u["o/new"]) == (1, 0, 0) and released(u["o/old"]) == (0, 0, 0)
