@@ -13,13 +13,15 @@ the next batch runs. A caller cancelled while queued (its deadline, or its clien
 leaves the queue; once its batch runs, its rows are computed and dropped.
 
 The batch function runs on the space's threads (an async one on the event loop), one
-batch at a time per batcher, so the loop keeps reading requests into the next batch.
+batch at a time per batcher, so the loop keeps reading requests into the next batch; a
+model space's short batches stay on the loop (`inline_s`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 import tomllib
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -35,6 +37,7 @@ from polyserve.logs import spacelog
 
 MANIFEST = "polyserve.toml"
 MAX_ROWS_LIMIT = 1 << 20  # a bound on the setting itself, so a typo cannot ask for more
+SLOW_RUNS = 3  # slow batches in a row that move a batcher's runs to the threads
 
 Arrays = Sequence[np.ndarray]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -100,7 +103,13 @@ class _Call:
 class Batcher:
     """Merges concurrent calls of `run` (arrays in, arrays out, rows along the first
     axis). `run` takes the merged inputs and gives its outputs as a sequence of arrays,
-    each with one row per input row; `limiter` bounds the threads a sync `run` uses."""
+    each with one row per input row; `limiter` bounds the threads a sync `run` uses.
+
+    With `inline_s`, a sync `run` stays on the event loop while its batches take less
+    than that, as an unbatched model space's runs do: a thread hop would cost a short
+    run more than it saves, and requests that arrive meanwhile wait in their sockets
+    and form the next batch all the same. SLOW_RUNS slow batches in a row move the
+    next ones to the threads."""
 
     def __init__(
         self,
@@ -109,6 +118,7 @@ class Batcher:
         batching: Batching,
         *,
         limiter: anyio.CapacityLimiter | None = None,
+        inline_s: float = 0.0,
     ) -> None:
         self._run = run
         self._async = inspect.iscoroutinefunction(run)
@@ -121,7 +131,8 @@ class Batcher:
         self._draining = False
         self._drainer: asyncio.Task[None] | None = None  # held: the loop keeps weak references
         self.batches = 0  # calls of `run` made
-        self.sizes: list[int] = []  # rows of the latest batches, for a look in tests
+        self.inline_s = inline_s
+        self._slow = SLOW_RUNS if not inline_s else 0  # the latest slow batches in a row
 
     async def submit(
         self, arrays: Arrays, receive: Callable[[], Awaitable[Any]] | None = None
@@ -177,6 +188,10 @@ class Batcher:
             while self._queue:
                 if self.delay and self._queued_rows < self.max_rows:
                     await self._wait_to_fill()
+                elif self._slow < SLOW_RUNS:
+                    # A batch on the loop blocks it: first let the requests it has read
+                    # already (their tasks are ready) reach the queue.
+                    await asyncio.sleep(0)
                 batch = self._take()
                 if batch:
                     await self._run_batch(batch)
@@ -223,12 +238,18 @@ class Batcher:
         if tag is not None:
             tag.batches += 1
             tag.batch_rows += total
-        self.sizes = [*self.sizes[-63:], total]
         try:
             if self._async:
                 outputs = await self._run(merged)  # type: ignore[misc]
+            elif self._slow < SLOW_RUNS:
+                started = time.perf_counter()
+                outputs = self._run(merged)
+                self._timed(time.perf_counter() - started)
             else:
-                outputs = await anyio.to_thread.run_sync(self._run, merged, limiter=self._limiter)
+                outputs, took = await anyio.to_thread.run_sync(
+                    self._timed_run, merged, limiter=self._limiter
+                )
+                self._timed(took)
             outputs = list(outputs)
             for out in outputs:
                 if np.ndim(out) == 0 or len(out) != total:
@@ -247,6 +268,14 @@ class Batcher:
             if not call.future.done():
                 call.future.set_result([out[start:end] for out in outputs])
             start = end
+
+    def _timed_run(self, merged: list[np.ndarray]) -> tuple[Any, float]:
+        started = time.perf_counter()
+        return self._run(merged), time.perf_counter() - started
+
+    def _timed(self, took: float) -> None:
+        if self.inline_s:  # without it every batch runs on the threads
+            self._slow = self._slow + 1 if took >= self.inline_s else 0
 
 
 def rows_of(arrays: Arrays) -> int:

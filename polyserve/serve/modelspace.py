@@ -296,7 +296,7 @@ class InferenceApp:
 
             if self._limiter is None:
                 self._limiter = anyio.CapacityLimiter(self.threads)
-            self.batcher = Batcher(run, self.batching, limiter=self._limiter)
+            self.batcher = Batcher(run, self.batching, limiter=self._limiter, inline_s=INLINE_S)
         try:
             rows = await self.batcher.submit([arrays[name] for name in names], receive)
         except ClientGone as exc:
