@@ -225,20 +225,18 @@ class Batcher:
         return [call for call in batch if not call.future.done()]
 
     async def _run_batch(self, batch: list[_Call]) -> None:
-        if len(batch) == 1:
-            merged = list(batch[0].arrays)
-        else:
-            merged = [
-                np.concatenate([call.arrays[i] for call in batch])
-                for i in range(len(batch[0].arrays))
-            ]
         total = sum(call.rows for call in batch)
         self.batches += 1
         tag = spacelog.RUNNING.get()  # the version whose request started this drain
         if tag is not None:
             tag.batches += 1
             tag.batch_rows += total
-        try:
+        try:  # whatever fails here fails this batch's callers, never the drain
+            if len(batch) == 1:
+                merged = list(batch[0].arrays)
+            else:
+                inputs = range(len(batch[0].arrays))
+                merged = [np.concatenate([call.arrays[i] for call in batch]) for i in inputs]
             if self._async:
                 outputs = await self._run(merged)  # type: ignore[misc]
             elif self._slow < SLOW_RUNS:
