@@ -93,15 +93,7 @@ class Deploys:
                 number = change.version or 0
         finally:
             self.store.discard(staged)  # after a publish the directory has moved: a no-op
-        body: dict[str, object] = {
-            "space": space,
-            "version": number,
-            "sha256": staged.sha256,
-            "size": staged.size,
-            "entry": staged.entry,
-            "pool": staged.pool,
-            **checked,
-        }
+        body = {**staged.fields(space, number), **checked}
         if self.fleet is None:
             self.changes.announce()
             return 200, body

@@ -48,6 +48,17 @@ class Staged:
     pool: str = DEFAULT_POOL  # the manifest's: which hosts of a fleet serve it
     unpacked: int = 0  # what its tar unpacked to, as POLYSERVE_MAX_UNPACKED_MB counts it
 
+    def fields(self, space: str, version: int) -> dict[str, object]:
+        """What a version's metadata and its deploy's answer both say of the upload."""
+        return {
+            "space": space,
+            "version": version,
+            "sha256": self.sha256,
+            "size": self.size,
+            "entry": self.entry,
+            "pool": self.pool,
+        }
+
 
 class Store(Layout):
     """The data directory, read (Layout) and written: the one way `current` moves."""
@@ -111,12 +122,7 @@ class Store(Layout):
             # What this version replaced: a rollback without a number goes back to it.
             "replaced": current_number(sdir),
             **meta,
-            "space": space,
-            "version": number,
-            "sha256": staged.sha256,
-            "size": staged.size,
-            "entry": staged.entry,
-            "pool": staged.pool,
+            **staged.fields(space, number),
             "deployed_at": meta.get("deployed_at", time.time()),
         }
         fresh = self.place(space, number, staged)
