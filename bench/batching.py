@@ -1,4 +1,4 @@
-"""The `batching` scenario's parts: a weight-bound model, its bodies, and MLServer batching it.
+"""The `batching` scenario's parts: a weight-bound model, its bodies, an in-process check.
 
 The model is bench/matmul.py's 20 MiB MatMul (Y = X @ W + B, X of [rows, 2048]): one row
 reads every weight, so a batch of rows costs little more than one. polyserve serves it
@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import tarfile
 import time
 from pathlib import Path
 
 import matmul
 import numpy as np
-from harness import APPS, Server, free_port
-from inference import Body, mlserver_bin
+from inference import Body
 
 MAX_ROWS = 64
 
@@ -90,37 +88,6 @@ def json_body(tmp: Path) -> Body:
         'f:close()\nwrk.headers["Content-Type"] = "application/json"\n'
     )
     return Body(payload, {"Content-Type": "application/json"}, script)
-
-
-def mlserver(tmp: Path, model: bytes) -> Server:
-    """MLServer serving the model as `matmul`, batching adaptively up to MAX_ROWS."""
-    models = tmp / "mlserver-batching" / "matmul"
-    models.mkdir(parents=True, exist_ok=True)
-    shutil.copy(APPS / "mlserver_onnx" / "runtime.py", models / "runtime.py")
-    (models / "model.onnx").write_bytes(model)
-    settings = {
-        "name": "matmul",
-        "implementation": "runtime.OnnxRuntime",
-        "parameters": {"uri": "./model.onnx"},
-        "max_batch_size": MAX_ROWS,
-        "max_batch_time": 0.001,  # its smallest useful wait: 1 ms
-    }
-    (models / "model-settings.json").write_text(json.dumps(settings))
-    port = free_port()
-    env = {
-        "MLSERVER_HOST": "127.0.0.1",
-        "MLSERVER_HTTP_PORT": str(port),
-        "MLSERVER_GRPC_PORT": str(free_port()),
-        "MLSERVER_METRICS_PORT": str(free_port()),
-        "MLSERVER_PARALLEL_WORKERS": "0",
-        "MLSERVER_METRICS_ENDPOINT": "",
-    }
-    return Server(
-        [str(mlserver_bin()), "start", str(models.parent)],
-        port,
-        env=env,
-        ready="/v2/models/matmul/ready",
-    )
 
 
 def eight_rows(model_path: Path, rounds: int = 5, calls: int = 30) -> dict[str, float]:

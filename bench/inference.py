@@ -44,13 +44,17 @@ def mlserver_bin() -> Path:
     return command
 
 
-def mlserver(tmp: Path) -> Server:
-    """MLServer serving the onnx-tiny model as `digits`, on the servers' core."""
-    models = tmp / "mlserver-models" / "digits"
+def mlserver(
+    tmp: Path, name: str = "digits", model: bytes | None = None, **extra: object
+) -> Server:
+    """MLServer serving `model` (default: onnx-tiny's) as `name`, on the servers' core,
+    through the custom runtime; `extra` goes into its model-settings.json (batching)."""
+    models = tmp / f"mlserver-{name}" / name
     models.mkdir(parents=True, exist_ok=True)
-    for name in ("runtime.py", "model-settings.json"):
-        shutil.copy(APPS / "mlserver_onnx" / name, models / name)
-    shutil.copy(MODEL, models / "model.onnx")
+    shutil.copy(APPS / "mlserver_onnx" / "runtime.py", models / "runtime.py")
+    settings = json.loads((APPS / "mlserver_onnx" / "model-settings.json").read_text())
+    (models / "model-settings.json").write_text(json.dumps({**settings, "name": name, **extra}))
+    (models / "model.onnx").write_bytes(model if model is not None else MODEL.read_bytes())
     port = free_port()
     env = {
         "MLSERVER_HOST": "127.0.0.1",
@@ -64,7 +68,7 @@ def mlserver(tmp: Path) -> Server:
         [str(mlserver_bin()), "start", str(models.parent)],
         port,
         env=env,
-        ready="/v2/models/digits/ready",
+        ready=f"/v2/models/{name}/ready",
     )
 
 

@@ -260,6 +260,7 @@ SWEEP = (1, 2, 4, 8, 16, 32, 64)
 def scenario_batching(args, tmp: Path) -> dict:
     """A weight-bound model with [batching] against the same model without, one worker."""
     import batching
+    import inference
     import matmul
 
     model = matmul.model()
@@ -275,7 +276,9 @@ def scenario_batching(args, tmp: Path) -> dict:
         sweep = ab_rounds(on, off, sweep_args, connections=SWEEP, scripts=(body.script,) * 2)
         usage = httpx2.get(a.url + "/_polyserve/usage").json()["spaces"]["lee101/batched"]
         json_body = batching.json_body(tmp)
-        with batching.mlserver(tmp, model) as b:
+        # Adaptive batching up to the same rows, waiting at most 1 ms (its smallest useful).
+        adaptive = {"max_batch_size": batching.MAX_ROWS, "max_batch_time": 0.001}
+        with inference.mlserver(tmp, "matmul", model, **adaptive) as b:
             mlserver_url = b.url + "/v2/models/matmul/infer"
             json_body.check(mlserver_url)
             vs_mlserver = ab_rounds(
