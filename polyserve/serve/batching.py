@@ -12,16 +12,15 @@ A call that fails fails only its own batch: every caller in it gets the exceptio
 the next batch runs. A caller cancelled while queued (its deadline, or its client gone)
 leaves the queue; once its batch runs, its rows are computed and dropped.
 
-The batch function runs on the space's threads (an async one on the event loop), one
-batch at a time per batcher, so the loop keeps reading requests into the next batch; a
-model space's short batches stay on the loop (`inline_s`).
+One batch runs at a time per batcher, where its Placement puts it: on the space's
+threads, so the loop keeps reading requests into the next batch, or, for a model
+space's short batches, on the loop. An async batch function runs on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import time
 import tomllib
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,15 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio
-import anyio.to_thread
 import numpy as np
 
 from polyserve.logs import spacelog
+from polyserve.serve.placement import Placement
 
 MANIFEST = "polyserve.toml"
 MAX_ROWS_LIMIT = 1 << 20  # a bound on the setting itself, so a typo cannot ask for more
-SLOW_RUNS = 3  # slow batches in a row that move a batcher's runs to the threads
 
 Arrays = Sequence[np.ndarray]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -103,13 +100,11 @@ class _Call:
 class Batcher:
     """Merges concurrent calls of `run` (arrays in, arrays out, rows along the first
     axis). `run` takes the merged inputs and gives its outputs as a sequence of arrays,
-    each with one row per input row; `limiter` bounds the threads a sync `run` uses.
+    each with one row per input row; `place` says where a sync `run` runs.
 
-    With `inline_s`, a sync `run` stays on the event loop while its batches take less
-    than that, as an unbatched model space's runs do: a thread hop would cost a short
-    run more than it saves, and requests that arrive meanwhile wait in their sockets
-    and form the next batch all the same. SLOW_RUNS slow batches in a row move the
-    next ones to the threads."""
+    A batch that `place` keeps on the event loop blocks it, as an unbatched model
+    space's short run does: requests that arrive meanwhile wait in their sockets and
+    form the next batch all the same."""
 
     def __init__(
         self,
@@ -117,22 +112,18 @@ class Batcher:
         | Callable[[list[np.ndarray]], Awaitable[Sequence[np.ndarray]]],
         batching: Batching,
         *,
-        limiter: anyio.CapacityLimiter | None = None,
-        inline_s: float = 0.0,
+        place: Placement | None = None,
     ) -> None:
         self._run = run
         self._async = inspect.iscoroutinefunction(run)
         self.max_rows = batching.max_rows
         self.delay = batching.max_delay_us / 1e6
-        self._limiter = limiter
+        self._place = place if place is not None else Placement(1, inline_s=0)
         self._queue: deque[_Call] = deque()
         self._queued_rows = 0
         self._filled: asyncio.Event | None = None  # set when a waiting batch is full
-        self._draining = False
         self._drainer: asyncio.Task[None] | None = None  # held: the loop keeps weak references
         self.batches = 0  # calls of `run` made
-        self.inline_s = inline_s
-        self._slow = SLOW_RUNS if not inline_s else 0  # the latest slow batches in a row
 
     async def submit(
         self, arrays: Arrays, receive: Callable[[], Awaitable[Any]] | None = None
@@ -148,9 +139,10 @@ class Batcher:
         self._queued_rows += rows
         if self._filled is not None and self._queued_rows >= self.max_rows:
             self._filled.set()
-        queued = self._draining  # behind a running batch, not the start of one
+        # Behind a running batch, or the start of one. A drain's last step ends it
+        # without a yield, so a drain not done yet still takes what is queued.
+        queued = self._drainer is not None and not self._drainer.done()
         if not queued:
-            self._draining = True
             self._drainer = loop.create_task(self._drain())
         try:
             # Only a call that waits behind a batch watches its client: a lone call
@@ -184,19 +176,16 @@ class Batcher:
 
     async def _drain(self) -> None:
         """Run batches until the queue is empty; each takes what queued while the last ran."""
-        try:
-            while self._queue:
-                if self.delay and self._queued_rows < self.max_rows:
-                    await self._wait_to_fill()
-                elif self._slow < SLOW_RUNS:
-                    # A batch on the loop blocks it: first let the requests it has read
-                    # already (their tasks are ready) reach the queue.
-                    await asyncio.sleep(0)
-                batch = self._take()
-                if batch:
-                    await self._run_batch(batch)
-        finally:
-            self._draining = False
+        while self._queue:
+            if self.delay and self._queued_rows < self.max_rows:
+                await self._wait_to_fill()
+            elif self._place.inline and not self._async:
+                # A batch on the loop blocks it: first let the requests it has read
+                # already (their tasks are ready) reach the queue.
+                await asyncio.sleep(0)
+            batch = self._take()
+            if batch:
+                await self._run_batch(batch)
 
     async def _wait_to_fill(self) -> None:
         self._filled = asyncio.Event()
@@ -239,15 +228,8 @@ class Batcher:
                 merged = [np.concatenate([call.arrays[i] for call in batch]) for i in inputs]
             if self._async:
                 outputs = await self._run(merged)  # type: ignore[misc]
-            elif self._slow < SLOW_RUNS:
-                started = time.perf_counter()
-                outputs = self._run(merged)
-                self._timed(time.perf_counter() - started)
             else:
-                outputs, took = await anyio.to_thread.run_sync(
-                    self._timed_run, merged, limiter=self._limiter
-                )
-                self._timed(took)
+                outputs = await self._place.run(self._run, merged)
             outputs = list(outputs)
             for out in outputs:
                 if np.ndim(out) == 0 or len(out) != total:
@@ -266,14 +248,6 @@ class Batcher:
             if not call.future.done():
                 call.future.set_result([out[start:end] for out in outputs])
             start = end
-
-    def _timed_run(self, merged: list[np.ndarray]) -> tuple[Any, float]:
-        started = time.perf_counter()
-        return self._run(merged), time.perf_counter() - started
-
-    def _timed(self, took: float) -> None:
-        if self.inline_s:  # without it every batch runs on the threads
-            self._slow = self._slow + 1 if took >= self.inline_s else 0
 
 
 def rows_of(arrays: Arrays) -> int:
@@ -333,7 +307,7 @@ def batched(max_rows: int = 64, max_delay_us: int = 0) -> Callable[[F], F]:
             batcher = batchers.get(loop)
             if batcher is None:
                 batchers.clear()  # a loop of the past (a test's) holds nothing we need
-                batcher = batchers[loop] = Batcher(run, settings, limiter=anyio.CapacityLimiter(1))
+                batcher = batchers[loop] = Batcher(run, settings)
             outputs = await batcher.submit([np.asarray(a) for a in arrays])
             kind, names = shapes["form"]
             if kind == "dict":
@@ -345,7 +319,6 @@ def batched(max_rows: int = 64, max_delay_us: int = 0) -> Callable[[F], F]:
         call.__name__ = getattr(fn, "__name__", "batched")
         call.__doc__ = fn.__doc__
         call.__wrapped__ = fn  # type: ignore[attr-defined]
-        call.batchers = batchers  # type: ignore[attr-defined]
         return call  # type: ignore[return-value]
 
     return decorate

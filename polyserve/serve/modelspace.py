@@ -14,19 +14,17 @@ space mounted anywhere else.
 from __future__ import annotations
 
 import logging
-import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import anyio
-import anyio.to_thread
 import numpy as np
 from starlette.types import Receive, Scope, Send
 
 from polyserve.serve import protocol, routes
 from polyserve.serve.batching import Batcher, Batching, ClientGone
+from polyserve.serve.placement import Placement
 from polyserve.serve.routes import (
     Answer,
     Route,
@@ -58,10 +56,6 @@ ORT_DATATYPES = {
     "tensor(string)": "BYTES",
 }
 MAX_BODY_MB = 64  # an infer body's bound outside a host (POLYSERVE_MAX_INFER_MB's default)
-# A session.run shorter than this runs on the event loop: a thread hop would cost more
-# than the inference. A longer one moves to the space's threads (bench/NOTES.md).
-INLINE_S = 0.001
-SLOW_RUNS = 3  # that many runs in a row over INLINE_S move the next to the threads
 
 
 class ModelError(Exception):
@@ -164,8 +158,7 @@ class InferenceApp:
         if batching is not None:
             model.check_batchable()
         self.batcher: Batcher | None = None  # made on the loop, at first use
-        self._limiter: anyio.CapacityLimiter | None = None  # made on the loop, at first use
-        self._slow = 0  # the latest runs in a row that took INLINE_S or more
+        self._place = Placement(threads)  # on the loop while runs are short
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -265,21 +258,7 @@ class InferenceApp:
         with batching, one batch's share."""
         if self.batching is not None and arrays.keys() == self.model.inputs.keys():
             return await self._batched(arrays, wanted, receive)
-        if self._slow < SLOW_RUNS:
-            started = time.perf_counter()
-            results = self.model.run(arrays, wanted)
-            self._timed(time.perf_counter() - started)
-            return results
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(self.threads)
-
-        def timed() -> tuple[dict[str, np.ndarray], float]:
-            started = time.perf_counter()
-            return self.model.run(arrays, wanted), time.perf_counter() - started
-
-        results, took = await anyio.to_thread.run_sync(timed, limiter=self._limiter)
-        self._timed(took)
-        return results
+        return await self._place.run(self.model.run, arrays, wanted)
 
     async def _batched(
         self, arrays: dict[str, np.ndarray], wanted: list[str], receive: Receive
@@ -294,20 +273,13 @@ class InferenceApp:
                 results = self.model.run(dict(zip(names, merged, strict=True)), outputs)
                 return [results[name] for name in outputs]
 
-            if self._limiter is None:
-                self._limiter = anyio.CapacityLimiter(self.threads)
-            self.batcher = Batcher(run, self.batching, limiter=self._limiter, inline_s=INLINE_S)
+            self.batcher = Batcher(run, self.batching, place=self._place)
         try:
             rows = await self.batcher.submit([arrays[name] for name in names], receive)
         except ClientGone as exc:
             raise ProtocolError(str(exc)) from None
         given = dict(zip(outputs, rows, strict=True))
         return {name: given[name] for name in wanted}
-
-    def _timed(self, took: float) -> None:
-        # Runs in a row slower than INLINE_S: one slowed by a collection or a busy core
-        # does not send the next through a thread, a model whose every run is slow goes.
-        self._slow = self._slow + 1 if took >= INLINE_S else 0
 
 
 async def _read(scope: Scope, receive: Receive, max_body: int) -> tuple[bytes, int | None]:

@@ -10,7 +10,8 @@ import numpy as np
 import onnxruntime as ort
 import orjson
 
-from polyserve.serve.modelspace import INLINE_S, SLOW_RUNS, InferenceApp, Model
+from polyserve.serve.modelspace import InferenceApp, Model
+from polyserve.serve.placement import INLINE_S, SLOW_RUNS
 from polyserve.serve.protocol import TensorSpec
 from polyserve.serve.routes import parse
 from tests.helpers import REPO
@@ -68,7 +69,7 @@ def test_a_fast_model_runs_on_the_event_loop_thread():
     for _ in range(20):
         assert infer(app, 1, 4)["outputs"][0]["data"] == [2.0] * 4
     assert set(threads) == {threading.get_ident()}
-    assert app._slow == 0
+    assert app._place.slow == 0
 
 
 def test_a_slow_model_moves_to_the_spaces_threads_and_one_slow_run_does_not():
@@ -79,6 +80,6 @@ def test_a_slow_model_moves_to_the_spaces_threads_and_one_slow_run_does_not():
     fast, fast_threads = recording_app(add(1.0), 4)
     infer(fast, 1, 4)
     for _ in range(SLOW_RUNS - 1):  # runs that a collection or a busy core slowed down
-        fast._timed(INLINE_S * 50)
+        fast._place.timed(INLINE_S * 50)
     infer(fast, 1, 4)
     assert set(fast_threads) == {threading.get_ident()}
