@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from polyserve.deploy import forkclient, forkloop, forkserver, forkspares
+from polyserve.deploy import forkclient, forkloop, forkserver, forkspares, sandbox
 from polyserve.deploy.validate import validate
 from polyserve.errors import ClientError
 from tests.helpers import (
@@ -277,8 +277,12 @@ def test_stopped_spares_are_not_handed_requests_but_replaced(tmp_path):
     with running_forkserver() as server:
         spares = the_spares(server)
         warm(spares)
-        for keeper in spares:
-            os.kill(validation_of(keeper), signal.SIGSTOP)
+        stopped = [validation_of(keeper) for keeper in spares]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        # kill() returns before the signal is taken: a spare the server still sees running
+        # is handed the request, and the deploy takes the slow way after _TAKE_S.
+        until(lambda: all(map(sandbox.stopped, stopped)), what="the spares to be stopped")
         with importing(tmp_path, lambda source: check(tmp_path, server.name, source)) as (v, _):
             keeper = kept_by(v)
             assert parent(keeper) == server.proc.pid and keeper not in spares
