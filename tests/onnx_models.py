@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
@@ -67,5 +69,22 @@ def matmul(k: int = 256, m: int = 320, seed: int = 0, fixed_rows: int | None = N
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, [rows, k])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [rows, m])],
         [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "B")],
+    )
+    return _model(graph)
+
+
+def chain(k: int = 512, depth: int = 100, seed: int = 0) -> bytes:
+    """Y = X @ W @ W ... (`depth` times), X of shape [rows, k] FP32 and W one orthogonal
+    (k, k) initializer: a model whose run is slow for its small weights and input, and
+    whose values keep their size however deep."""
+    q, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal((k, k)))
+    names = ["X", *(f"H{i}" for i in range(1, depth)), "Y"]
+    nodes = [helper.make_node("MatMul", [a, "W"], [b]) for a, b in itertools.pairwise(names)]
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["rows", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["rows", k])],
+        [numpy_helper.from_array(q.astype(np.float32), "W")],
     )
     return _model(graph)

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
 import numpy as np
 import onnxruntime as ort
 
-from tests.helpers import HostProcess, make_tar, module_host
-from tests.onnx_models import matmul
+from tests.helpers import HostProcess, make_tar, module_host, until
+from tests.onnx_models import chain, matmul
 
-host = module_host("batching_host", workers=1)
+host = module_host("host", workers=1)
 
 K = 256
 MODEL = matmul(K, 320)
@@ -118,6 +123,70 @@ def test_a_model_without_a_dynamic_first_axis_cannot_be_batched(host):
         filename="m.tar",
     )
     assert bad.status_code == 422 and "max_rows" in bad.json()["error"]
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time process `pid` has spent, all its threads together."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_clients_gone_while_queued_are_never_run_and_those_beside_them_are(host):
+    """While a slow batch runs on the space's threads, requests queue behind it: those
+    whose clients hang up leave the queue, so the next batch holds only the rows of the
+    clients still waiting, which get their answers."""
+    model = chain(512, 2000)
+    settings = "[batching]\nmax_rows = 512\n"
+    answer = host.deploy(
+        "b/gone", make_tar({"model.onnx": model, "polyserve.toml": settings}), filename="m.tar"
+    )
+    assert answer.status_code == 200, answer.text
+    for _ in range(3):  # three slow runs in a row: runs move off the loop to its threads
+        assert infer(host, "b/gone", np.ones((1, 512), np.float32)).status_code == 200
+    before = usage(host, "b/gone")
+
+    def body(x: np.ndarray) -> bytes:
+        tensor = {"name": "X", "datatype": "FP32", "shape": list(x.shape)}
+        return json.dumps({"inputs": [{**tensor, "data": x.ravel().tolist()}]}).encode()
+
+    def send(x: np.ndarray) -> socket.socket:
+        """A whole request on a connection of its own, left open."""
+        sock = socket.create_connection(("127.0.0.1", host.port))
+        data = body(x)
+        head = (
+            f"POST /v2/models/b/gone/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + data)
+        return sock
+
+    (worker,) = host.worker_pids()
+    spent = cpu_seconds(worker)
+    slow = send(np.ones((256, 512), np.float32))  # seconds of work, in one batch
+    # Read and running once the worker has spent a fraction of it: what follows queues.
+    until(lambda: cpu_seconds(worker) > spent + 0.2, what="the slow batch to run")
+    rng = np.random.default_rng(5)
+    kept = [rng.standard_normal((2, 512), dtype=np.float32) for _ in range(4)]
+    results: list[httpx.Response] = []
+    waiting = [
+        threading.Thread(target=lambda x=x: results.append(infer(host, "b/gone", x))) for x in kept
+    ]
+    gone = [send(np.ones((3, 512), np.float32)) for _ in range(4)]
+    for t in waiting:
+        t.start()
+    time.sleep(0.5)  # all of them read and queued behind the slow batch
+    for sock in gone:
+        sock.close()
+    slow.settimeout(120)
+    assert slow.recv(12) == b"HTTP/1.1 200"
+    slow.close()
+    for t in waiting:
+        t.join()
+    assert [a.status_code for a in results] == [200] * 4, [a.text for a in results]
+    after = usage(host, "b/gone")
+    ran = after["batch_rows"] - before["batch_rows"]
+    assert ran == 256 + 2 * 4, "rows of clients that hung up were run"
+    assert after["batches"] - before["batches"] == 2  # the slow one, then those that waited
 
 
 SPACE = """
