@@ -3,8 +3,11 @@ back to the kernel at each one."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
+import threading
+from collections.abc import Iterator
 
 # mallopt's parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
@@ -14,11 +17,15 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20
 KEEP = 2 * MMAP_THRESHOLD
 RETURN = 128 << 10
+# While a space loads: glibc's initial mmap threshold.
+LOADING = 128 << 10
 
 _libc = ctypes.CDLL(None)
 # glibc's; other C libraries go without, and keep what they keep.
 _mallopt = getattr(_libc, "mallopt", None)
 _malloc_trim = getattr(_libc, "malloc_trim", None)
+_loads = 0  # loads under way, on the host's threads
+_loads_lock = threading.Lock()
 
 
 def settle() -> None:
@@ -51,3 +58,32 @@ def collect() -> None:
     finally:
         if _mallopt is not None:
             _mallopt(M_TRIM_THRESHOLD, KEEP)
+
+
+@contextlib.contextmanager
+def loading() -> Iterator[None]:
+    """While a space loads, a block above LOADING is mapped on its own, and unmapped
+    when freed.
+
+    A load's transient buffers are large (onnxruntime reads a prepacked model's weights
+    into one before it maps them), and at the fixed threshold they would live in the
+    arena of the thread that imported them: freed at once, yet resident, since a free
+    under the trim threshold keeps the top of its arena and malloc_trim releases the top
+    of the main arena only. Each worker then held a copy of a shared model's weights.
+    What the load keeps is mapped too, and goes back when its space is released. Requests
+    that run meanwhile map their large blocks too, for the length of the load only."""
+    global _loads
+    if _mallopt is None:
+        yield
+        return
+    with _loads_lock:
+        _loads += 1
+        if _loads == 1:
+            _mallopt(M_MMAP_THRESHOLD, LOADING)
+    try:
+        yield
+    finally:
+        with _loads_lock:
+            _loads -= 1
+            if _loads == 0:
+                _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import anyio.to_thread
 
 from polyserve.errors import ClientError
 from polyserve.names import parse_space
-from polyserve.serve import loader
+from polyserve.serve import heap, loader
 from polyserve.serve.held import Active, Held
 from polyserve.serve.memcap import MemoryCap, NoRoom
 from polyserve.state.broadcast import Broadcast
@@ -187,7 +188,7 @@ class Loads:
             if not version.dir.is_dir():
                 await self._fetch(version)
             imported = await anyio.to_thread.run_sync(
-                loader.import_version,
+                _import_version,
                 space,
                 version.number,
                 version.dir,
@@ -228,3 +229,9 @@ class Loads:
             await self.fetch(version)
         except ClientError as exc:
             raise loader.LoadError(exc.error) from exc
+
+
+def _import_version(*args: Any) -> loader.Imported:
+    """loader.import_version, with the heap's thresholds of a load (heap.loading)."""
+    with heap.loading():
+        return loader.import_version(*args)

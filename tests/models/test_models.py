@@ -285,6 +285,22 @@ def test_four_workers_hold_one_copy_of_a_model(host4, big_tar):
     assert float(line.split()[-1]) // 1024 == usage["mapped_kib"]
 
 
+def test_a_model_below_the_heaps_mmap_threshold_adds_no_copy_either(host4):
+    """A 20 MiB model: onnxruntime's transient read of its prepacked weights is a block
+    below the worker's fixed mmap threshold (polyserve.serve.heap), which would stay
+    resident in the importing thread's arena, a copy per worker, were it not mapped."""
+    shape = (2048, 2560)
+    size = shape[0] * shape[1] * 4
+    tar = matmul.space_tar(matmul.model(*shape, seed=1))
+    assert host4.deploy("models/small-copy", tar, "space.tar").status_code == 200
+    before = workers_memory(host4)
+    served_by_every_worker(host4, "models/small-copy")
+    grown = (workers_memory(host4)["Anonymous"] - before["Anonymous"]) / size
+    assert grown < 0.25, f"the workers' anonymous memory grew by {grown:.2f} copies"
+    usage = host4.get("/_polyserve/usage").json()["spaces"]["models/small-copy"]
+    assert usage["memory_kib"] * 1024 < size / 10, usage
+
+
 def test_the_validators_import_leaves_no_copy_behind(host4, big_tar):
     """After a deploy's 200 no process maps the model; the version holds the upload and its
     prepacked weights."""
