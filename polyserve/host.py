@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import anyio
 import anyio.to_thread
 
+from polyserve import devices
 from polyserve import settings as settings_mod
 from polyserve.deploy.deploys import Deploys
 from polyserve.logs import spacelog
@@ -101,6 +102,9 @@ async def running_host(
         # Pools apply only in a fleet: a single host serves every space it is given.
         pool=s.pool if fleet is not None else None,
         memory_cap=s.worker_memory_mb << 20,
+        # A GPU worker's device memory, under its cap; recycled only under a master.
+        device_cap=s.worker_gpu_memory_mb << 20 if devices.assigned() is not None else None,
+        recycle=None if inherited is not None else lambda: None,
     )
     deadlines = Deadlines(s.request_timeout)
     host = Host(
@@ -122,7 +126,7 @@ async def running_host(
             forkserver=inherited.forkserver if inherited is not None else None,
         ),
         logs=logs,
-        usage=Usage(table, store, host_limiter),
+        usage=Usage(table, store, host_limiter, s.gpus),
     )
     # Off the main thread (an in-process test client) there is no signal handler:
     # requests still read the generation word, which alone keeps the contract.

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from polyserve import devices
 from polyserve.state.shm import segment_name
 from tests.helpers import HOST_FIXTURES, HostProcess, module_host
 from tests.postgres import INSTALL_HINT, PostgresServer, find_bindir
@@ -30,6 +32,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     # Before any fixture starts: a host started by an unmarked test fails it.
     marked = item.get_closest_marker("gunicorn") is not None
     HostProcess.unmarked_test = None if marked else item.nodeid
+    if item.get_closest_marker("gpu") is not None and not _gpus():
+        pytest.skip(GPU_HINT)
+
+
+GPU_HINT = (
+    "needs an NVIDIA GPU seen through NVML (the driver's libnvidia-ml and nvidia-ml-py,"
+    " `pip install nvidia-ml-py`): run `make gpu-check` or `pytest -m gpu` on a GPU"
+    " machine (docs/gpu.md)"
+)
+
+
+@functools.cache
+def _gpus() -> tuple[int, ...]:
+    return devices.detected()
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from polyserve import procs
+from polyserve import devices, procs
 from polyserve.deploy import sandbox
 from polyserve.usage.meter import anon_bytes
 
@@ -147,12 +147,19 @@ async def run(argv: list[str]) -> NoReturn:
     # the answer says what failed, and the stderr it quotes is the tenant's own output.
     logging.getLogger("polyserve.space").disabled = True
     limit = memory_mb << 20
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if devices.assigned() is None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    # A GPU worker's validation runs on its GPU (the worker's environment names it), so
+    # that a session onnxruntime would put on the CPU is refused here, at deploy, as the
+    # worker would refuse it. CUDA reserves address space far past any such limit (its
+    # unified addressing), so there the limit would refuse every CUDA load: left unset.
     # Compile every module now: workers then load bytecode (this environment may set
     # PYTHONDONTWRITEBYTECODE, so nothing else would write it). Files that do not
     # compile are reported by the import below if the entry actually uses them.
     compileall.compile_dir(str(root), quiet=2, workers=1)
-    if any(root.rglob("*.onnx")):  # and the models it may load get prepacked weights built
+    if devices.assigned() is None and any(
+        root.rglob("*.onnx")
+    ):  # and the models it may load get prepacked weights built
         from polyserve.models import prepacked
 
         prepacked.PREPARE = True

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from polyserve import devices
 from polyserve import settings as settings_mod
 from polyserve.control import auth
 from polyserve.deploy.forkserver import ForkServer
@@ -167,6 +168,7 @@ def on_starting(server: Any) -> None:
         )
         sys.exit(EXIT_DATA_DIR_BUSY)
     _starting = (s, store)
+    os.environ.pop(devices.ENV, None)  # the master runs on no GPU: see post_fork
     _preload(server, s.preload)
 
 
@@ -202,6 +204,8 @@ def when_ready(server: Any) -> None:
     assert _starting is not None
     s, store = _starting
     _master = _Master(s, store, *_create_table(server, s, store), log=server.log)
+    if s.gpus:
+        server.log.info("GPU host: %s", spread(s.gpus, s.workers))
     try:
         if s.database_url:  # imported here: psycopg is a fleet host's alone to import
             from polyserve.fleet import follower
@@ -252,6 +256,8 @@ def pre_fork(server: Any, worker: Any) -> None:
     used = {getattr(w, "polyserve_row", None) for w in server.WORKERS.values()}
     free = [i for i in range(_master.table.worker_rows) if i not in used]
     worker.polyserve_row = free[0] if free else None
+    gpus = _master.settings.gpus
+    worker.polyserve_gpu = gpu_for(gpus, server.WORKERS.values()) if gpus else None
     if not free:
         # More workers than usage rows (TTIN past the table): a worker that cannot be
         # metered must not serve. Stop asking for it; it exits in post_fork.
@@ -262,8 +268,45 @@ def pre_fork(server: Any, worker: Any) -> None:
         server.num_workers = len(server.WORKERS)
 
 
+def gpu_for(gpus: tuple[int, ...], live: Any) -> int:
+    """The GPU a new worker gets: the listed one the fewest live workers use, the first
+    listed of those on a tie. A replacement so takes the GPU of the worker it replaces
+    (the one left with a worker fewer), no two live workers share one while there are no
+    more workers than GPUs, and more are spread round the list (the first GPUs listed get
+    one more when they do not divide evenly). A HUP's new workers share with the old ones
+    until those leave."""
+    count = dict.fromkeys(gpus, 0)
+    for other in live:
+        gpu = getattr(other, "polyserve_gpu", None)
+        if gpu in count:
+            count[gpu] += 1
+    return min(gpus, key=lambda gpu: count[gpu])
+
+
+def spread(gpus: tuple[int, ...], workers: int) -> str:
+    """How `workers` workers spread over `gpus`, as the master logs it at start."""
+    per = {gpu: workers // len(gpus) + (i < workers % len(gpus)) for i, gpu in enumerate(gpus)}
+    shown = ", ".join(f"GPU {gpu}: {n}" for gpu, n in per.items())
+    shared = " (more workers than GPUs: some share one)" if workers > len(gpus) else ""
+    return f"{workers} workers on {len(gpus)} GPUs, {shown}{shared}"
+
+
+def _give_gpu(gpu: int | None) -> None:
+    """In a new worker, before its app is loaded and anything can open CUDA: the one GPU
+    it may use (CUDA_VISIBLE_DEVICES, numbered as NVML numbers them), and devices.ENV
+    naming it, which its validations inherit. A CPU worker gets none, whatever the
+    environment said."""
+    if gpu is None:
+        os.environ.pop(devices.ENV, None)
+        return
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    os.environ[devices.ENV] = str(gpu)
+
+
 def post_fork(server: Any, worker: Any) -> None:
     global _lock_file
+    _give_gpu(getattr(worker, "polyserve_gpu", None))
     # The data-dir lock is the master's alone: a worker that a master killed with -9
     # leaves draining must not refuse the restart, nor must anything tenant code forks.
     # flock belongs to the open file description, which fork shares, so closing this

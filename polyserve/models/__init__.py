@@ -33,7 +33,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from polyserve import devices
 from polyserve.models import prepacked
+from polyserve.serve import gpu
 from polyserve.serve.batching import batched
 from polyserve.serve.modelspace import InferenceApp, inference_app
 from polyserve.serve.tensors import TensorSpec as Tensor
@@ -56,10 +58,11 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 def onnx_session(
     path: str | os.PathLike[str],
     options: Any = None,
-    providers: Sequence[str] = ("CPUExecutionProvider",),
+    providers: Sequence[Any] | None = None,
     *,
     prepack: bool = False,
     min_bytes: int = MIN_BYTES,
+    gpu_memory_mb: int | None = None,
 ) -> Any:
     """An `onnxruntime.InferenceSession` for the model at `path` whose large weights are
     shared by every process on the host (see the module docstring).
@@ -68,8 +71,23 @@ def onnx_session(
     thread, as a space should have); its optimization level is capped at
     ORT_ENABLE_EXTENDED, and the settings sharing needs are added to it (it is changed
     in place). `prepack=True` gives back prepacked weights, faster on batches
-    of several rows, at one private copy of them per process."""
+    of several rows, at one private copy of them per process.
+
+    `providers` defaults to the worker's: on a GPU worker the CUDA provider, with the
+    options of polyserve.serve.gpu and `gpu_memory_mb` as its limit (default: the
+    host's POLYSERVE_GPU_SPACE_MEMORY_MB), and one warm-up run; elsewhere the CPU. A
+    session that asked for CUDA and did not get it raises gpu.DeviceRefused, naming
+    the providers onnxruntime gave: it never runs on the CPU instead (docs/gpu.md)."""
     import onnxruntime as ort
+
+    if providers is None:
+        if devices.assigned() is None:
+            providers = ("CPUExecutionProvider",)
+        else:
+            limit = gpu.space_memory_mb(None) if gpu_memory_mb is None else gpu_memory_mb
+            providers = gpu.providers(limit)
+    if gpu.asks_cuda(providers):
+        return _on_device(ort, Path(path).resolve(), options, providers)
 
     def defaults() -> Any:
         fresh = ort.SessionOptions()
@@ -116,6 +134,21 @@ def onnx_session(
         return ort.InferenceSession(
             str(path), options if given else defaults(), providers=list(providers)
         )
+
+
+def _on_device(ort: Any, path: Path, options: Any, providers: Sequence[Any]) -> Any:
+    """A session on the CUDA provider, refused (gpu.DeviceRefused) unless onnxruntime
+    gave it that provider, and run once. Loaded from its path: its weights are copied to
+    the device, so mapping them from the file would share nothing."""
+    gpu.refuse_unavailable(ort)  # the CPU build: it would warn, then run on the CPU
+    if options is None:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1  # for the CPU's share of the nodes: see above
+        options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(path), options, providers=list(providers))
+    gpu.check(session)
+    gpu.warm_up(session)
+    return session
 
 
 def skeleton(path: str | os.PathLike[str], min_bytes: int = MIN_BYTES) -> tuple[bytes | None, int]:

@@ -53,6 +53,8 @@ class Held:
         self.active: dict[str, Active] = {}  # the version serving each space
         # Told before memory may be freed under the loads being measured (MemoryCap).
         self.freeing: Callable[[], None] = lambda: None
+        # Told after each collection (a GPU worker's device memory: polyserve.serve.devcap).
+        self.collected: Callable[[], None] = lambda: None
         # Version numbers held per space (draining and loading ones included); the
         # oldest is written in the shared table (Broadcast.hold).
         self._held: dict[str, list[int]] = {}
@@ -137,6 +139,10 @@ class Held:
         """Whether drops wait for a collection: their memory is not back yet."""
         return self._collect_at is not None
 
+    def collect_later(self) -> None:
+        """A collection soon (at most one a second), for what waits on one to decide."""
+        self._collect_soon()
+
     def _collect_soon(self) -> None:
         """A dropped version's modules are reference cycles (functions hold their module's
         globals), which only the cycle collector frees: run it after drops, at most once a
@@ -161,6 +167,7 @@ class Held:
         self.freeing()
         heap.collect()  # so that RSS falls too
         self._collected = asyncio.get_running_loop().time()
+        self.collected()
 
     def cancel_collection(self) -> None:
         """At shutdown: no collection is left pending on the loop."""

@@ -25,7 +25,7 @@ from a2wsgi import WSGIMiddleware
 from starlette.types import ASGIApp
 
 from polyserve.logs import spacelog
-from polyserve.serve import namespace
+from polyserve.serve import gpu, namespace
 from polyserve.serve.answers import DEFAULT_THREADS, HandleApp
 from polyserve.serve.namespace import forget
 
@@ -43,6 +43,11 @@ class LoadError(Exception):
             error = error[:MESSAGE_MAX] + f"… ({len(error)} characters)"
         super().__init__(error)
         self.details = {"error": error, **details}
+
+
+class DeviceLoadError(LoadError):
+    """A load refused because its session would not run on the worker's GPU
+    (polyserve.serve.gpu.DeviceRefused): the host's to fix, answered 503."""
 
 
 # -- one imported version -----------------------------------------------------------------
@@ -125,6 +130,10 @@ def import_version(
         forget(package)
         tag.record(logging.ERROR, "stderr", f"import failed: {exc}", time.time())
         raise
+    except gpu.DeviceRefused as exc:  # a space's own onnx_session: the host's to fix
+        forget(package)
+        tag.record(logging.ERROR, "stderr", f"import failed: {exc}", time.time())
+        raise DeviceLoadError(str(exc), providers=exc.providers) from exc
     except (Exception, SystemExit) as exc:  # sys.exit() at import is the tenant's error too
         forget(package)
         tag.exception(exc, f"the import of {entry}")
@@ -173,10 +182,14 @@ def _model_app(path: Path, threads: int) -> modelspace.InferenceApp:
 
     try:
         asked = batching.read_batching(path.parent)
-        # One copy of the weights per host, as a space's own onnx_session() gives.
-        model = modelspace.Model(onnx_session(path))
+        # One copy of the weights per host, as a space's own onnx_session() gives; on
+        # a GPU worker, the space's session on the GPU, within its polyserve.toml's limit.
+        limit = gpu.space_memory_mb(path.parent) if gpu.on_gpu() else None
+        model = modelspace.Model(onnx_session(path, gpu_memory_mb=limit))
         return modelspace.InferenceApp(model, threads=threads, batching=asked)
-    except (modelspace.ModelError, batching.BatchingError) as exc:
+    except gpu.DeviceRefused as exc:
+        raise DeviceLoadError(str(exc), providers=exc.providers) from None
+    except (modelspace.ModelError, batching.BatchingError, gpu.BadManifest) as exc:
         raise LoadError(f"{path.name}: {exc}", file=path.name) from None
     except Exception as exc:  # onnxruntime's own classes say what is wrong with the file
         message = scrub_paths(f"{type(exc).__name__}: {exc}", path.parent)

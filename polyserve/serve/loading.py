@@ -14,6 +14,7 @@ import anyio.to_thread
 from polyserve.errors import ClientError
 from polyserve.names import parse_space
 from polyserve.serve import heap, loader
+from polyserve.serve.devcap import DeviceMemory
 from polyserve.serve.held import Active, Held
 from polyserve.serve.memcap import MemoryCap, NoRoom
 from polyserve.state.broadcast import Broadcast
@@ -54,6 +55,7 @@ class Loads:
         host_limiter: anyio.CapacityLimiter | None = None,
         fetch: Callable[[Version], Awaitable[None]] | None = None,
         pool: str | None = None,
+        device: DeviceMemory | None = None,
     ) -> None:
         self.held = held
         self.cap = cap
@@ -71,6 +73,8 @@ class Loads:
         # In a fleet, the only pool whose spaces this worker imports; None (a single
         # host) imports every space whatever its pool.
         self.pool = pool
+        # A GPU worker's device memory: measured around each load, under its own cap.
+        self.device = device
         self.tasks: dict[str, asyncio.Task[Active]] = {}  # the load under way, by space
         # A slot changes only when a deleted space's slot is handed over; a load
         # checks, and every hand-over bumps the slot's generation, which forces one.
@@ -178,11 +182,23 @@ class Loads:
         """`version` (held by the caller, let go here if this fails) imported and started,
         with room for it under the cap; and the milliseconds it took, room-making left
         out."""
-        cap = self.cap
-        memory_before = 0
+        try:
+            return await self._measured(space, version, slot, generation, releases)
+        finally:
+            # No await between this and the switch: a recycle cannot come between.
+            if self.device is not None:
+                self.device.done(space)
+
+    async def _measured(
+        self, space: str, version: Version, slot: int, generation: int, releases: int
+    ) -> tuple[Active, float]:
+        cap, device = self.cap, self.device
+        memory_before = device_before = 0
         try:
             if cap.limit:
                 memory_before = await cap.admit(space)
+            if device is not None:
+                device_before = await device.admit(space)
             # Taken after making room: other tenants' shutdowns are not this load's time.
             started, started_us, anon_before = self.clock(), self.meter.clock(), anon_bytes()
             if not version.dir.is_dir():
@@ -203,9 +219,20 @@ class Loads:
             self.held.unhold(space, slot, version.number)
             raise
         # Memory the load added: approximate when other work runs at the same time.
-        self.meter.loaded(slot, started_us, anon_bytes() - anon_before)
+        device_added = device.added(space, slot, device_before) if device is not None else 0
+        self.meter.loaded(slot, started_us, anon_bytes() - anon_before, device_added)
         now = self.clock()
         active = Active(imported, version, slot, generation, releases, last_used=now)
+        if device is not None:
+            device.track(space, active)
+        if device is not None and device.limit:
+            try:
+                await device.fit(space)
+            except BaseException:
+                dropping = [self.held.retire(active)]  # never leased: dropped at once
+                del active, imported
+                await self.held.collect_after([t for t in dropping if t is not None])
+                raise
         if cap.limit:
             # Checked before the switch, so that no request leases a version that may be
             # refused: until then they wait for this load.

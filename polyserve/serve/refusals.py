@@ -43,6 +43,10 @@ def refusal(
         # a failed load, so the usage shows what the cap costs a space.
         retry = {"retry-after": str(NO_ROOM_RETRY_S)}
         return slot, 503, {"error": str(exc), "space": space}, retry
+    if isinstance(exc, loader.DeviceLoadError):
+        # The worker's GPU cannot run it (onnxruntime gave the session another provider):
+        # never served from the CPU instead; the host's to fix, not the request's.
+        return slot, 503, {**exc.details, "space": space}, None
     if isinstance(exc, loader.LoadError):
         body = exc.details
     else:  # a bug of ours, or the data dir changed under us: still JSON

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from polyserve.serve import loader
+from polyserve.serve.devcap import DeviceMemory, recycle_worker
 from polyserve.serve.held import Active, Held
 from polyserve.serve.loading import Loads, NotDeployed, OtherPool
 from polyserve.serve.memcap import ROOM_WAIT_S, MemoryCap, NoRoom
@@ -40,6 +41,9 @@ class Registry:
         memory_cap: int = 0,
         memory: Callable[[], int] = anon_bytes,
         room_wait_s: float = ROOM_WAIT_S,
+        device_cap: int | None = None,
+        device_memory: Callable[[], int | None] | None = None,
+        recycle: Callable[[], None] | None = None,
     ) -> None:
         self.broadcast = broadcast
         self.meter = meter
@@ -53,6 +57,18 @@ class Registry:
         self.cap = MemoryCap(self.held, meter, self._pinned, memory_cap, memory, room_wait_s)
         # What a release frees would make the loads being measured look smaller.
         self.held.freeing = self.cap.estimates.disturb
+        # On a GPU worker (device_cap not None, 0 for no cap): its device memory.
+        self.device: DeviceMemory | None = None
+        if device_cap is not None:
+            self.device = DeviceMemory(
+                self.held,
+                meter,
+                self._pinned,
+                device_cap,
+                device_memory,
+                recycle or recycle_worker,
+            )
+            self.held.collected = self.device.collected
         self.loads = Loads(
             self.held,
             self.cap,
@@ -64,6 +80,7 @@ class Registry:
             host_limiter,
             fetch,
             pool,
+            self.device,
         )
 
     # -- the request path -----------------------------------------------------------

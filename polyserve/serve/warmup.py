@@ -3,8 +3,12 @@ each worker at boot, so that its copy-on-write faults are not a space's first lo
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger("polyserve")
 
 WARM = Path(__file__).parent / "warm"  # a space of our own, and the model it loads
 # warm/model.onnx: an Identity node and an ai.onnx.ml Normalizer (float[1,1] -> float[1,1]).
@@ -36,7 +40,9 @@ def _onnxruntime() -> None:
     comments)."""
     from polyserve.models import onnx_session
 
-    onnx_session(WARM_ONNX)
+    # On the CPU even in a GPU worker: the master must never open CUDA (its forks could
+    # not use it), and a worker opens its GPU's context by itself (in_worker).
+    onnx_session(WARM_ONNX, providers=("CPUExecutionProvider",))
 
 
 # Preloaded module -> its warm-up. A module without one is only imported.
@@ -57,6 +63,14 @@ def in_worker(modules: tuple[str, ...]) -> None:
     for name in modules:
         if name in WARMUPS:
             WARMUPS[name]()
+    from polyserve.serve import gpu
+
+    if gpu.on_gpu() and not gpu.open_context():
+        log.warning(
+            "GPU %s: no CUDA context could be opened (no NVIDIA driver's libcuda):"
+            " its first space pays for it",
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+        )
     from polyserve.serve import loader  # the worker's module: not the master's to import
 
     imported = loader.import_version("polyserve/serve/warm-up", 0, WARM, "main.py")

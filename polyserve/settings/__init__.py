@@ -24,10 +24,13 @@ _withheld: dict[str, str] = {}
 @dataclass(frozen=True)
 class Settings:
     bind: str
+    gpus: tuple[int, ...]
     workers: int
     data_dir: str
     idle_ttl: float
     worker_memory_mb: int
+    worker_gpu_memory_mb: int
+    gpu_space_memory_mb: int
     request_timeout: float
     worker_timeout: int
     deploy_token_sha256: str  # from either token variable; the plaintext is never kept

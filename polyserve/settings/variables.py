@@ -59,6 +59,29 @@ def default_worker_memory_mb(values: dict[str, Any]) -> int:
     return int(memory_limit_mb() * MEMORY_SHARE) // values["workers"]
 
 
+def _gpu_ids(text: str) -> tuple[int, ...]:
+    ids: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if not part.isdigit():
+            raise ValueError(f"{part!r} is not a GPU index: list NVML's indices, as 0,1")
+        if int(part) in ids:
+            raise ValueError(f"GPU {part} is listed twice")
+        ids.append(int(part))
+    return tuple(ids)
+
+
+def _detected_gpus(_: dict[str, Any]) -> tuple[int, ...]:
+    from polyserve import devices  # NVML, only when the setting is not given
+
+    return devices.detected()
+
+
+def _default_workers(values: dict[str, Any]) -> int:
+    return len(values["gpus"]) or os.cpu_count() or 1
+
+
 def _directories(text: str) -> tuple[str, ...]:
     return tuple(d for d in text.split(":") if d)
 
@@ -86,11 +109,21 @@ def _sha256_hex(text: str) -> str:
 SETTINGS: tuple[Setting, ...] = (
     Setting("bind", str, const("127.0.0.1:8441"), "Address the host listens on (host:port)."),
     Setting(
+        "gpus",
+        _gpu_ids,
+        _detected_gpus,
+        "GPUs this host runs models on, as NVML's indices (comma-separated; empty: none,"
+        " a CPU host). Each worker is given one (CUDA_VISIBLE_DEVICES), spread evenly"
+        " (docs/gpu.md).",
+        "every GPU NVML sees with the gpu extra; none without it",
+        empty_is_value=True,
+    ),
+    Setting(
         "workers",
         positive_int,
-        lambda _: os.cpu_count() or 1,
+        _default_workers,
         "Number of pre-forked worker processes.",
-        "CPU count",
+        "one per GPU on a GPU host, else CPU count",
     ),
     Setting(
         "data_dir",
@@ -114,6 +147,21 @@ SETTINGS: tuple[Setting, ...] = (
         " 503 with Retry-After (0: no cap). The default takes the smaller of MemTotal and"
         " the cgroup v2 limit (/sys/fs/cgroup/memory.max) when one is set.",
         "min(MemTotal, memory.max) / 2 / POLYSERVE_WORKERS",
+    ),
+    Setting(
+        "worker_gpu_memory_mb",
+        non_negative_int,
+        const(0),
+        "Device memory cap (MiB, NVML's figure for the worker's process) of each GPU"
+        " worker: past it, a load first releases the least recently used idle spaces that"
+        " hold device memory; one that still does not fit is answered 503 (0: no cap).",
+    ),
+    Setting(
+        "gpu_space_memory_mb",
+        non_negative_int,
+        const(0),
+        "onnxruntime's gpu_mem_limit (MiB) for a model space's session on a GPU worker,"
+        " unless its polyserve.toml's [gpu] memory_mb says otherwise (0: no limit).",
     ),
     Setting(
         "request_timeout",

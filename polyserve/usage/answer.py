@@ -14,6 +14,7 @@ import anyio
 import anyio.to_thread
 import orjson
 
+from polyserve import devices
 from polyserve.state.shm import Table
 from polyserve.state.store import Store
 from polyserve.usage import meter, prometheus
@@ -27,10 +28,17 @@ Only = Literal["host"]
 class Usage:
     """The host's usage as the control plane answers it, read from the shared table."""
 
-    def __init__(self, table: Table, store: Store, host_limiter: anyio.CapacityLimiter) -> None:
+    def __init__(
+        self,
+        table: Table,
+        store: Store,
+        host_limiter: anyio.CapacityLimiter,
+        gpus: tuple[int, ...] = (),
+    ) -> None:
         self.table = table
         self.store = store
         self.host_limiter = host_limiter  # the host's own threads: reading /proc runs on them
+        self.gpus = gpus  # a GPU host's (POLYSERVE_GPUS): its answer has their fields
 
     def snapshot(self) -> Snapshot:
         return meter.snapshot(self.table, self.store.slots.ledger(), meter.now_us())
@@ -47,11 +55,11 @@ class Usage:
     async def json(self, only: Only | None = None) -> bytes:
         """The /_polyserve/usage answer, encoded."""
         if only == "host":  # no spaces: no maps to read
-            return orjson.dumps({"host": host_usage(self.snapshot())})
+            return orjson.dumps({"host": host_usage(self.snapshot(), self.gpus)})
         snap = self.snapshot()
         # orjson: the stdlib's encoder was most of the answer's time (bench/NOTES.md,
         # "Where the time goes").
-        return orjson.dumps(usage(snap, await self.mapped()))
+        return orjson.dumps(usage(snap, await self.mapped(), self.gpus))
 
     async def prometheus(self, fleet: tuple[int, int] | None = None) -> bytes:
         """The /metrics answer; in a fleet, `fleet` is (the last change this host applied,
@@ -60,9 +68,12 @@ class Usage:
         return prometheus.exposition(snap, fleet, await self.mapped())
 
 
-def usage(snap: Snapshot, mapped: Mapping[str, int] | None = None) -> dict[str, object]:
+def usage(
+    snap: Snapshot, mapped: Mapping[str, int] | None = None, gpus: tuple[int, ...] = ()
+) -> dict[str, object]:
     """The full usage answer: the seed's four fields per space, and more; `mapped` is
-    what Usage.mapped read (none: 0 for every space)."""
+    what Usage.mapped read (none: 0 for every space). A GPU host's (`gpus`) has device
+    memory fields too; a CPU host's answer is as it was without them."""
     t = snap.totals
     # Column by column in numpy, then one comprehension: a per-space loop of arithmetic
     # was most of the answer's time with many spaces (bench/NOTES.md, "Where the time
@@ -112,14 +123,37 @@ def usage(snap: Snapshot, mapped: Mapping[str, int] | None = None) -> dict[str, 
         }
         for name, r, b, w, lo, e, c, wl, li, k, ri, rm, rd, mk, ba, br in columns
     }
-    return {"spaces": spaces, "host": host_usage(snap)}
+    if gpus:
+        device = zip(
+            spaces.values(),
+            (snap.gpu_memory_bytes // 1024).tolist(),
+            t[:, Cell.RECYCLED].tolist(),
+            strict=True,
+        )
+        for fields, gk, rc in device:
+            fields["gpu_memory_kib"] = gk
+            fields["recycled"] = rc
+    return {"spaces": spaces, "host": host_usage(snap, gpus)}
 
 
-def host_usage(snap: Snapshot) -> dict[str, object]:
-    """The usage answer's `host` section: what the autoscaler's busy ratio is made of."""
-    return {
+def host_usage(snap: Snapshot, gpus: tuple[int, ...] = ()) -> dict[str, object]:
+    """The usage answer's `host` section: what the autoscaler's busy ratio is made of,
+    and on a GPU host each GPU's memory (NVML's, read now; null where NVML cannot
+    tell) and the workers recycled to give device memory back."""
+    host: dict[str, object] = {
         "workers": snap.workers,
         "uptime_s": round(snap.uptime_us / 1e6, 3),
         "busy_ms": snap.busy_us // 1000,
         "in_flight": snap.in_flight,
     }
+    if gpus:
+        host["gpus"] = [_gpu_memory(index) for index in gpus]
+        host["recycles"] = int(snap.totals[:, Cell.RECYCLED].sum())
+    return host
+
+
+def _gpu_memory(index: int) -> dict[str, object]:
+    found = devices.memory(index)
+    if found is None:
+        return {"index": index, "total_kib": None, "used_kib": None}
+    return {"index": index, "total_kib": found.total // 1024, "used_kib": found.used // 1024}

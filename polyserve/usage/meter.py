@@ -16,6 +16,9 @@ Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserv
     RELEASED_DEMAND  releases on demand (POST …/release), one per worker holding it
     BATCHES          batched runs made (polyserve.serve.batching), beside REQUESTS
     BATCH_ROWS       rows those runs computed, all batches together
+    GPU_MEMORY_BYTES device memory the latest load added (NVML's figure for the worker)
+    RECYCLED         releases whose device memory stayed with the worker, which was
+                     then recycled to give it back (polyserve.serve.devcap)
 
 A worker writes only its own row, and only from its event-loop thread (sync handlers
 run in the threadpool, but their requests are metered by the dispatcher on the loop),
@@ -56,6 +59,8 @@ class Cell(IntEnum):
     RELEASED_DEMAND = 11
     BATCHES = 12
     BATCH_ROWS = 13
+    GPU_MEMORY_BYTES = 14
+    RECYCLED = 15
 
 
 CELLS = len(Cell)
@@ -76,6 +81,7 @@ TOTALS = (
     Cell.RELEASED_DEMAND,
     Cell.BATCHES,
     Cell.BATCH_ROWS,
+    Cell.RECYCLED,
 )
 BILLED = TOTALS[:6]
 _TOTAL_CELLS = [int(c) for c in TOTALS]
@@ -133,7 +139,7 @@ class Meter:
         if error:
             words[base + _ERRORS] += 1
 
-    def loaded(self, slot: int, started: int, memory_bytes: int) -> None:
+    def loaded(self, slot: int, started: int, memory_bytes: int, gpu_bytes: int = 0) -> None:
         """A version finished loading; residency runs from `started`, the load's start."""
         words, base = self.words, self._row + slot * CELLS
         took = self.clock() - started
@@ -141,6 +147,7 @@ class Meter:
         words[base + Cell.IMPORT_US] += took
         words[base + Cell.LAST_IMPORT_US] = took
         words[base + Cell.MEMORY_BYTES] = max(memory_bytes, 0)
+        words[base + Cell.GPU_MEMORY_BYTES] = max(gpu_bytes, 0)
         if words[base + Cell.LOADED_SINCE_US] == 0:  # a swap does not restart the stretch
             words[base + Cell.LOADED_SINCE_US] = max(started, 1)  # 0 means "not loaded"
 
@@ -249,6 +256,7 @@ class Snapshot:
     workers_loaded: np.ndarray  # (N,): workers holding the space now
     last_import_us: np.ndarray  # (N,): the latest load, the largest over the workers
     memory_bytes: np.ndarray  # (N,): what the latest load added, the largest over workers
+    gpu_memory_bytes: np.ndarray  # (N,): the same of device memory
     workers: int  # live workers
     uptime_us: int  # since the master started (wall clock)
     busy_us: int  # every space's busy time, the host's total
@@ -269,6 +277,7 @@ def snapshot(table: Table, ledger: Ledger, now: int) -> Snapshot:
         workers_loaded=np.pad((cells[:, :n, Cell.LOADED_SINCE_US] > 0).sum(axis=0), pad),
         last_import_us=np.pad(cells[:, :n, Cell.LAST_IMPORT_US].max(axis=0), pad),
         memory_bytes=np.pad(cells[:, :n, Cell.MEMORY_BYTES].max(axis=0), pad),
+        gpu_memory_bytes=np.pad(cells[:, :n, Cell.GPU_MEMORY_BYTES].max(axis=0), pad),
         workers=int(np.count_nonzero(table.pids)),
         uptime_us=time.time_ns() // 1000 - started if started else 0,
         busy_us=int(summed[:, Cell.BUSY_US].sum()),
