@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run autoscale build examples test test-fast lint bench settings-table token clean
+.PHONY: run autoscale build examples test test-fast lint bench gpu-check settings-table token clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,17 @@ lint: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	@command -v wrk >/dev/null || { echo "wrk is missing: install it with 'apt-get install wrk' (Debian/Ubuntu) or your package manager"; exit 1; }
 	$(BIN)/python bench/run.py
+
+# On a machine with an NVIDIA GPU (docs/gpu.md): a GPU host and a CPU host side by side,
+# an ONNX model space and torch spaces on each; prints what ran where, the device memory
+# each added and gave back, and GPU against CPU latency. Then the tests marked `gpu`.
+# Runs with the venv's python, else the machine's python3 (PYTHONPATH holding the host's
+# packages and this checkout, as ../shared/device/README.md sets it up).
+GPU_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+
+gpu-check:
+	$(GPU_PYTHON) bench/gpu_check.py
+	$(GPU_PYTHON) -m pytest -q -m gpu -rs -p no:cacheprovider tests/gpu tests/hosts/test_gpu_host.py tests/serve/test_gpu.py
 
 # The settings tables of docs/settings.md and docs/autoscale.md, from their declarations.
 settings-table: $(VENV)/.installed-host

@@ -97,3 +97,13 @@ def test_sharing_bench_runs_one_short_round():
         "warm_8_rows",
         "warm_64_rows",
     }
+
+
+@pytest.mark.gunicorn
+def test_the_gpu_check_runs_its_onnx_part_without_a_gpu():
+    """`make gpu-check`'s script, where NVML sees no GPU: a host told it has GPU 0 refuses
+    the model (this onnxruntime has no CUDA provider), and the CPU host serves it."""
+    result = run_bench("gpu_check.py", "--without-gpu")
+    assert result["onnx"]["gpu_host"]["deploy"] == 422
+    assert "CPUExecutionProvider" in result["onnx"]["gpu_host"]["refusal"]["error"]
+    assert result["onnx"]["cpu_host"]["infer"]["status"] == 200

@@ -196,6 +196,16 @@ SCHEMAS: dict[str, Any] = {
                             "type": "integer",
                             "description": "rows those runs computed, all batches together",
                         },
+                        "gpu_memory_kib": {
+                            "type": "integer",
+                            "description": "a GPU host's only: device memory the latest"
+                            " load added to its worker (NVML; docs/gpu.md)",
+                        },
+                        "recycled": {
+                            "type": "integer",
+                            "description": "a GPU host's only: releases whose device"
+                            " memory stayed, so the worker was recycled",
+                        },
                         **{
                             f"released_{reason}": {"type": "integer", "description": doc}
                             for reason, doc in (

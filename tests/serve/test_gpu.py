@@ -85,7 +85,7 @@ def test_on_a_gpu_worker_a_session_the_cpu_build_would_run_on_the_cpu_is_refused
     """onnx_session on a GPU worker asks for CUDA; this onnxruntime (the CPU build) has
     none, so it raises, naming what onnxruntime offers, instead of a CPU session."""
     monkeypatch.setenv(devices.ENV, "0")
-    with pytest.raises(gpu.DeviceRefused, match="on GPU 0.*CPUExecutionProvider") as refused:
+    with pytest.raises(gpu.DeviceRefused, match=r"on GPU 0.*CPUExecutionProvider") as refused:
         onnx_session(model)
     assert "CPUExecutionProvider" in refused.value.providers
     assert "CUDAExecutionProvider" not in refused.value.providers

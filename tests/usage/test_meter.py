@@ -209,6 +209,7 @@ def test_a_slot_is_reclaimable_only_once_nobody_holds_or_warms_it():
         Cell.RELEASED_DEMAND: 0,
         Cell.BATCHES: 0,
         Cell.BATCH_ROWS: 0,
+        Cell.RECYCLED: 0,
     }
 
 
