@@ -14,6 +14,7 @@ CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA numbers them the same way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +42,11 @@ def _nvml() -> Any:
     return pynvml
 
 
+@functools.cache
 def detected() -> tuple[int, ...]:
-    """The GPUs NVML sees, by index; () without NVML. Shuts NVML down after asking, so a
-    master that forks afterwards hands its workers no NVML state."""
+    """The GPUs NVML sees, by index; () without NVML. Asked once per process (every
+    settings load asks), and NVML shut down after asking, so a master that forks
+    afterwards hands its workers no NVML state."""
     global _initialised_in
     nvml = _nvml()
     if nvml is None:

@@ -65,7 +65,8 @@ class Usage:
         """The /metrics answer; in a fleet, `fleet` is (the last change this host applied,
         the fleet's last change)."""
         snap = self.snapshot()
-        return prometheus.exposition(snap, fleet, await self.mapped())
+        gpus = [devices.memory(index) for index in self.gpus] if self.gpus else None
+        return prometheus.exposition(snap, fleet, await self.mapped(), gpus)
 
 
 def usage(

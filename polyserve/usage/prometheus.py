@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import numpy as np
@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from polyserve.devices import Memory
 from polyserve.usage.meter import RELEASES, Cell, Snapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -88,11 +89,16 @@ _SPACE_METRICS: tuple[tuple[str, Kind, str, Callable[[Snapshot], np.ndarray]], .
 
 class _SnapshotCollector:
     def __init__(
-        self, snap: Snapshot, fleet: tuple[int, int] | None, mapped: dict[str, int] | None
+        self,
+        snap: Snapshot,
+        fleet: tuple[int, int] | None,
+        mapped: dict[str, int] | None,
+        gpus: Sequence[Memory | None] | None,
     ) -> None:
         self.snap = snap
         self.fleet = fleet
         self.mapped = mapped
+        self.gpus = gpus
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snap
@@ -119,6 +125,8 @@ class _SnapshotCollector:
             "Seconds since the master started.",
             value=snap.uptime_us / 1e6,
         )
+        if self.gpus is not None:
+            yield from self._gpu_metrics()
         releases = CounterMetricFamily(
             "polyserve_space_releases",
             "Releases of the space by a worker, by reason: idle (POLYSERVE_IDLE_TTL), memory"
@@ -142,13 +150,54 @@ class _SnapshotCollector:
                 value=max(last - applied, 0),
             )
 
+    def _gpu_metrics(self) -> Iterator[Metric]:
+        """A GPU host's: each space's device memory and recycles, each GPU's memory."""
+        snap = self.snap
+        device = GaugeMetricFamily(
+            "polyserve_space_gpu_memory_bytes",
+            "Device memory the latest load of the space added to its worker (NVML).",
+            labels=["space"],
+        )
+        recycled = CounterMetricFamily(
+            "polyserve_space_recycled",
+            "Releases of the space whose device memory stayed, so its worker was recycled.",
+            labels=["space"],
+        )
+        rows = zip(
+            snap.names,
+            snap.gpu_memory_bytes.tolist(),
+            snap.totals[:, Cell.RECYCLED].tolist(),
+            strict=True,
+        )
+        for space, nbytes, count in rows:
+            device.add_metric([space], nbytes)
+            recycled.add_metric([space], count)
+        yield device
+        yield recycled
+        total = GaugeMetricFamily(
+            "polyserve_gpu_memory_total_bytes", "Each GPU's memory (NVML).", labels=["gpu"]
+        )
+        used = GaugeMetricFamily(
+            "polyserve_gpu_memory_used_bytes", "Each GPU's memory in use (NVML).", labels=["gpu"]
+        )
+        for found in self.gpus or ():
+            if found is not None:
+                total.add_metric([str(found.index)], found.total)
+                used.add_metric([str(found.index)], found.used)
+        yield total
+        yield used
+
 
 def exposition(
-    snap: Snapshot, fleet: tuple[int, int] | None = None, mapped: dict[str, int] | None = None
+    snap: Snapshot,
+    fleet: tuple[int, int] | None = None,
+    mapped: dict[str, int] | None = None,
+    gpus: Sequence[Memory | None] | None = None,
 ) -> bytes:
     """The Prometheus text format for one usage snapshot; in a fleet, with this host's
     lag: `fleet` is (the last change it applied, the fleet's last change); `mapped` the
-    bytes each space's files are mapped for (polyserve/usage/mapped.py)."""
+    bytes each space's files are mapped for (polyserve/usage/mapped.py); on a GPU host,
+    `gpus` each GPU's memory (None where NVML cannot read it)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snap, fleet, mapped))
+    registry.register(_SnapshotCollector(snap, fleet, mapped, gpus))
     return generate_latest(registry)

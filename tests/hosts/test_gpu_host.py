@@ -9,7 +9,7 @@ import signal
 import httpx2 as httpx
 import pytest
 
-from tests.helpers import HostProcess, until
+from tests.helpers import HostProcess, make_tar, until
 from tests.onnx_models import matmul
 
 pytestmark = pytest.mark.gunicorn
@@ -93,6 +93,20 @@ def test_a_model_deploy_that_would_run_on_the_cpu_is_refused_and_not_published(g
     assert "gpu/model" not in gpu_host.get("/_polyserve/spaces").text
 
 
+def test_a_python_space_whose_own_session_would_run_on_the_cpu_is_refused(gpu_host):
+    """A space's own onnx_session() at import, on a GPU worker's validation: the same 422."""
+    source = (
+        "from pathlib import Path\n"
+        "from polyserve.models import inference_app, onnx_session\n"
+        "app = inference_app(onnx_session(Path(__file__).parent / 'model.onnx'))\n"
+    )
+    tar = make_tar({"main.py": source, "model.onnx": MODEL})
+    answer = gpu_host.deploy("gpu/pymodel", tar, filename="space.tar")
+    assert answer.status_code == 422, answer.text
+    assert "CPUExecutionProvider" in answer.json()["error"]
+    assert "gpu/pymodel" not in gpu_host.get("/_polyserve/spaces").text
+
+
 def test_a_gpu_hosts_usage_has_device_fields(gpu_host):
     """Each space has gpu_memory_kib (0: this one added no device memory) and recycled;
     the host section lists each GPU (null memory where NVML cannot read it)."""
@@ -103,6 +117,9 @@ def test_a_gpu_hosts_usage_has_device_fields(gpu_host):
     assert usage["spaces"]["gpu/usage"]["recycled"] == 0
     assert [g["index"] for g in usage["host"]["gpus"]] == [0, 1]
     assert usage["host"]["recycles"] == 0
+    metrics = gpu_host.get("/metrics").text
+    assert 'polyserve_space_gpu_memory_bytes{space="gpu/usage"} 0.0' in metrics
+    assert 'polyserve_space_recycled_total{space="gpu/usage"} 0.0' in metrics
 
 
 def test_a_published_model_that_would_run_on_the_cpu_is_a_503(tmp_path):
@@ -118,6 +135,7 @@ def test_a_published_model_that_would_run_on_the_cpu_is_a_503(tmp_path):
         usage = cpu.get("/_polyserve/usage").json()
         assert "gpu_memory_kib" not in usage["spaces"]["gpu/served"]
         assert "gpus" not in usage["host"]
+        assert "gpu_memory" not in cpu.get("/metrics").text
     finally:
         cpu.stop()
     gpu = HostProcess(data, workers=1, POLYSERVE_GPUS="0").start()
