@@ -57,14 +57,16 @@ bench: $(VENV)/.installed-dev
 
 # On a machine with an NVIDIA GPU (docs/gpu.md): a GPU host and a CPU host side by side,
 # an ONNX model space and torch spaces on each; prints what ran where, the device memory
-# each added and gave back, and GPU against CPU latency. Then the tests marked `gpu`.
+# each added and gave back, and GPU against CPU latency. Then the tests marked `gpu`
+# (tests/gpu/) and the GPU host's tests that need none.
 # Runs with the venv's python, else the machine's python3 (PYTHONPATH holding the host's
 # packages and this checkout, as ../shared/device/README.md sets it up).
 GPU_PYTHON = $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
 gpu-check:
 	$(GPU_PYTHON) bench/gpu_check.py
-	$(GPU_PYTHON) -m pytest -q -m gpu -rs -p no:cacheprovider tests/gpu tests/hosts/test_gpu_host.py tests/serve/test_gpu.py
+	$(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider tests/gpu tests/hosts/test_gpu_host.py \
+		tests/serve/test_gpu.py tests/serve/test_device_memory.py
 
 # The settings tables of docs/settings.md and docs/autoscale.md, from their declarations.
 settings-table: $(VENV)/.installed-host
