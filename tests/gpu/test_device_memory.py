@@ -81,7 +81,10 @@ def test_a_release_that_keeps_device_memory_recycles_the_worker(tmp_path):
         assert host.deploy("gpu/leaky", torch_space(leak=True)).status_code == 200
         assert host.get("/s/gpu/leaky/").json()["device"] == "cuda:0"
         release(host, "gpu/leaky")
-        until(lambda: host.worker_pids() and worker(host) != pid, what="the recycle")
+        until(
+            lambda: pid not in (pids := host.worker_pids()) and len(pids) == 1,
+            what="the recycle",
+        )
         host.wait_ready()
         usage = host.get("/_polyserve/usage").json()
         assert usage["spaces"]["gpu/leaky"]["recycled"] == 1
