@@ -163,6 +163,12 @@ async def run(argv: list[str]) -> NoReturn:
         from polyserve.models import prepacked
 
         prepacked.PREPARE = True
+    if devices.assigned() is not None:
+        # As a GPU worker opens its context at boot: its cost is not the version's
+        # memory_bytes or import_ms.
+        from polyserve.serve import gpu
+
+        gpu.open_context()
     result, cause = await _check(root, entry, timeout, deps)
     if isinstance(cause, MemoryError):
         result["error"] = (
