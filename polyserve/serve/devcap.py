@@ -32,6 +32,7 @@ log = logging.getLogger("polyserve")
 # Holding no GPU space, the worker is recycled when its device memory is this share
 # above what it held at boot (the goal: back within 5% of the baseline).
 RECYCLE_SLACK = 0.05
+RECHECKS = 10  # collections (about a second apart) a released version may outlive
 
 
 class DeviceNoRoom(NoRoom):
@@ -83,6 +84,7 @@ class DeviceMemory:
         self.loading: set[str] = set()  # loads between admit and their switch (or failure)
         self.recycling = False
         self.recycles = 0
+        self._rechecks = 0  # collections waited for a released version to be collected
 
     def memory(self) -> int:
         return self.read() or 0
@@ -125,18 +127,20 @@ class DeviceMemory:
 
     async def _make_room(self, space: str, need: int) -> None:
         while (memory := self.memory()) + need > self.limit:
+            # Its own old version too (a swap's: no request can lease it any more), but
+            # no other space a request waits for.
             idle = [
                 a
                 for name, a in self.held.active.items()
-                if name != space
-                and a.inflight == 0
+                if a.inflight == 0
                 and self.sizes.get(name, 0) > 0
-                and not self.pinned(name)
+                and (name == space or not self.pinned(name))
             ]
             if not idle:
                 raise DeviceNoRoom(space, memory, self.limit)
-            oldest = min(idle, key=lambda a: a.last_used)
-            self.meter.count_release(oldest.slot, Cell.RELEASED_MEMORY)
+            oldest = min(idle, key=lambda a: (a.imported.space != space, a.last_used))
+            if oldest.imported.space != space:  # a swap is not a release
+                self.meter.count_release(oldest.slot, Cell.RELEASED_MEMORY)
             dropping = self.held.retire(oldest)
             del oldest, idle  # a reference here would keep it from the collection
             await self.held.collect_after([dropping] if dropping is not None else [])
@@ -150,11 +154,15 @@ class DeviceMemory:
         released = {s: n for s, n in self._slots.items() if s not in self.held.active}
         if not released:
             return
-        if any((ref := self._versions.get(s)) is not None and ref() is not None for s in released):
+        alive = any((r := self._versions.get(s)) is not None and r() is not None for s in released)
+        if alive and self._rechecks < RECHECKS:
             # Still referenced (the reaper's list of what it let go, a request's frame):
-            # its memory is not free yet. Look again at a later collection.
+            # its memory is not free yet. Look again at a later collection; one kept
+            # past RECHECKS of them is memory only the recycle gives back.
+            self._rechecks += 1
             asyncio.get_running_loop().call_later(COLLECT_INTERVAL_S, self.held.collect_later)
             return
+        self._rechecks = 0
         self._slots.clear()
         self._versions.clear()
         now = self.memory()

@@ -28,7 +28,8 @@ LEAKED: list[int] = []  # what released spaces left behind
 
 
 def space(name: str, mib: int, leak: bool = False) -> str:
-    """A space holding `mib` MiB on the stand-in device while its module lives."""
+    """A space holding `mib` MiB on the stand-in device while its module lives (`name`
+    keys what it holds: give each version its own)."""
     me = __name__
     keep = f"sys.modules[{me!r}].LEAKED.append({mib} * {MIB})\n" if leak else ""
     return (
@@ -163,3 +164,20 @@ def test_a_space_over_the_cap_alone_is_refused(tmp_path):
     with pytest.raises(DeviceNoRoom, match="POLYSERVE_WORKER_GPU_MEMORY_MB"):
         asyncio.run(world.call("a/big"))
     assert "a/big" not in world.registry.active
+
+
+def test_under_the_cap_a_redeploy_drops_its_own_old_version_uncounted(tmp_path):
+    """Old and new version do not fit together: the old one (no request can lease it any
+    more) goes first, and a swap is no release."""
+    world = World(tmp_path, cap_mib=500 + 100)
+    world.deploy("a/swap", space("a/swap v1", 64))
+
+    async def scenario() -> None:
+        await world.call("a/swap")
+        world.deploy("a/swap", space("a/swap v2", 64))
+        await world.call("a/swap")
+
+    asyncio.run(scenario())
+    assert world.registry.active["a/swap"].version.number == 2
+    assert world.cell("a/swap", Cell.RELEASED_MEMORY) == 0
+    assert list(HELD) == ["a/swap v2"] and device_memory() <= 600 * MIB
