@@ -14,6 +14,7 @@ from polyserve.fleet.changes import Change, Fit
 from polyserve.fleet.connection import Unreachable, threaded
 from polyserve.fleet.db import FleetDB
 from polyserve.fleet.fetch import fetch_version
+from polyserve.fleet.ledger import USAGE_COLUMNS
 from polyserve.settings import Settings
 from polyserve.state.store import Store, Version
 
@@ -98,10 +99,18 @@ class FleetClient:
     async def usage(self) -> dict[str, Any]:
         """The fleet's ledger, rendered like a host's usage: per space, then each host's
         totals over its spaces."""
-        spaces, hosts = await self.run(self.db.usage)
+        found = await self.run(self.db.usage, self.settings.fleet_live_s)
+        zero = (0,) * len(USAGE_COLUMNS)
+        loaded = found.workers_loaded
+        spaces = {}
+        for space in found.spaces.keys() | loaded.keys():
+            fields = _render(found.spaces.get(space, zero))
+            fields["loaded"] = space in loaded
+            fields["workers_loaded"] = loaded.get(space, 0)
+            spaces[space] = fields
         return {
-            "spaces": {space: _render(values) for space, values in spaces.items()},
-            "hosts": {host: _render(values) for host, values in hosts.items()},
+            "spaces": spaces,
+            "hosts": {host: _render(values) for host, values in found.hosts.items()},
         }
 
     async def lag(self) -> tuple[int, int]:
@@ -119,7 +128,7 @@ class FleetClient:
         return {"last_change": last, "hosts": hosts}
 
 
-def _render(values: tuple[int, ...]) -> dict[str, int]:
+def _render(values: tuple[int, ...]) -> dict[str, object]:
     requests, errors, busy_us, resident_us, loads, _ = values
     return {
         "requests": requests,

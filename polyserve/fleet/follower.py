@@ -133,7 +133,8 @@ class Follower:
             delta = tuple(max(a - b, 0) for a, b in zip(values, before, strict=True))
             if any(delta):
                 billed[space] = delta
-        if not self.db.write_usage(self.settings.host_id, self.boot.id, billed):
+        loaded = meter.loaded_by_name(table, ledger)
+        if not self.db.write_usage(self.settings.host_id, self.boot.id, billed, loaded):
             self._replaced()
         self._usage_at = time.monotonic()
 

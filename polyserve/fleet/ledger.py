@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,14 +25,29 @@ class Boot:
     settled: bool
 
 
+@dataclass(frozen=True)
+class FleetUsage:
+    """The ledger's sums: per space and per host (USAGE_COLUMNS order), and per space
+    the workers that hold it now, over the live hosts."""
+
+    spaces: dict[str, tuple[int, ...]]
+    hosts: dict[str, tuple[int, ...]]
+    workers_loaded: dict[str, int]
+
+
 class UsageLedger(Connection):
     """Writes of each boot's totals, and the ledger's sums."""
 
-    def write_usage(self, host: str, boot: str, totals: Totals) -> bool:
+    def write_usage(
+        self, host: str, boot: str, totals: Totals, loaded: Mapping[str, int] | None = None
+    ) -> bool:
         """This boot's absolute totals per space (USAGE_COLUMNS order): a retry rewrites
         the same numbers. Written only while this boot is the host's, checked under the
         host row's lock in the same transaction: False, and nothing written, once a new
-        boot has taken over (join), which bills from where this boot's rows stopped."""
+        boot has taken over (join), which bills from where this boot's rows stopped.
+
+        `loaded`, the spaces the host's workers hold now and how many workers hold each,
+        replaces what the host wrote before (None leaves it)."""
         with self.session() as conn, conn.transaction():
             row = conn.execute(
                 "SELECT boot FROM polyserve_hosts WHERE id = %s FOR KEY SHARE", (host,)
@@ -51,10 +67,20 @@ class UsageLedger(Connection):
                         " updated_at = now()",
                         [(host, boot, space, *values) for space, values in totals.items()],
                     )
+            if loaded is not None:
+                conn.execute("DELETE FROM polyserve_loaded WHERE host = %s", (host,))
+                if loaded:
+                    with conn.cursor() as cur:
+                        cur.executemany(
+                            "INSERT INTO polyserve_loaded (host, boot, space, workers)"
+                            " VALUES (%s, %s, %s, %s)",
+                            [(host, boot, space, n) for space, n in loaded.items()],
+                        )
             return True
 
-    def usage(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-        """The ledger summed over every host and boot: per space, and per host."""
+    def usage(self, live_s: float) -> FleetUsage:
+        """The ledger summed over every host and boot, per space and per host, and the
+        workers holding each space now on the hosts that heartbeat (within `live_s`)."""
         sums = ", ".join(f"sum({c})::bigint" for c in USAGE_COLUMNS)
         with self.session() as conn:
             spaces = conn.execute(
@@ -62,9 +88,20 @@ class UsageLedger(Connection):
             ).fetchall()
             hosts = conn.execute(f"SELECT host, {sums} FROM polyserve_usage GROUP BY host")
             per_host = hosts.fetchall()
-        return (
+            # A host that left, or stopped heartbeating (killed), holds nothing; draining
+            # hosts still serve what they hold.
+            loaded = conn.execute(
+                "SELECT l.space, sum(l.workers)::bigint FROM polyserve_loaded l"
+                " JOIN polyserve_hosts h ON h.id = l.host AND h.boot = l.boot"
+                " WHERE h.left_at IS NULL"
+                " AND h.last_seen > now() - make_interval(secs => %s)"
+                " GROUP BY l.space",
+                (live_s,),
+            ).fetchall()
+        return FleetUsage(
             {space: tuple(values) for space, *values in spaces},
             {host: tuple(values) for host, *values in per_host},
+            dict(loaded),
         )
 
 

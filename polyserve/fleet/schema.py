@@ -100,6 +100,17 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (host, space)                 -- cleared by its next change applied
     );
     """,
+    # What each host's workers hold now, written with its usage: the fleet usage's
+    # `loaded` and `workers_loaded`, counted over the hosts whose boot is live.
+    """
+    CREATE TABLE polyserve_loaded (
+        host text NOT NULL,
+        boot text NOT NULL,
+        space text NOT NULL,
+        workers integer NOT NULL,
+        PRIMARY KEY (host, space)
+    );
+    """,
 )
 
 

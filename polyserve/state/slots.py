@@ -42,6 +42,8 @@ class SlotLog:
         self._earlier: dict[str, tuple[int, ...]] = {}  # usage in slots a name lost
         self._read = 0  # bytes of the log already parsed
         self._lock = threading.Lock()  # the loop and the host's threads both refresh
+        self._changes = 0  # lines parsed so far, which the cached ledger is checked by
+        self._ledger: tuple[int, Ledger] | None = None
 
     def slot(self, space: str) -> int | None:
         """The space's slot, or None if it has none (never deployed, or deleted and its
@@ -109,6 +111,7 @@ class SlotLog:
                 else:
                     raise RuntimeError(f"{self.path} is corrupt at slot {number}")
                 self._slots[space] = slot
+                self._changes += 1
             self._read += len(complete)
 
     def _hand_over(self, slot: int, space: str, final: tuple[int, ...]) -> None:
@@ -122,8 +125,20 @@ class SlotLog:
 
     def ledger(self) -> Ledger:
         """Who owns each slot, and what to add to each slot's raw usage totals so that
-        usage is per name across slot hand-overs."""
+        usage is per name across slot hand-overs.
+
+        It is built again only after the log changed: every usage answer asks for it,
+        and with many spaces building it was a large part of the answer. Callers share
+        the one object and must not change it."""
         self.refresh()
+        changes = self._changes
+        if self._ledger is None or self._ledger[0] != changes:
+            # Checked by the count read before building: a refresh on another thread
+            # meanwhile leaves a stale ledger that the next call builds again.
+            self._ledger = (changes, self._build_ledger())
+        return self._ledger[1]
+
+    def _build_ledger(self) -> Ledger:
         offsets = {}
         for slot, name in enumerate(self._names):
             earlier, base = self._earlier.get(name), self._base.get(slot)

@@ -12,6 +12,7 @@ from typing import Literal
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import orjson
 
 from polyserve import devices
@@ -39,6 +40,7 @@ class Usage:
         self.store = store
         self.host_limiter = host_limiter  # the host's own threads: reading /proc runs on them
         self.gpus = gpus  # a GPU host's (POLYSERVE_GPUS): its answer has their fields
+        self._rendering = Rendering()
 
     def snapshot(self) -> Snapshot:
         return meter.snapshot(self.table, self.store.slots.ledger(), meter.now_us())
@@ -57,9 +59,15 @@ class Usage:
         if only == "host":  # no spaces: no maps to read
             return orjson.dumps({"host": host_usage(self.snapshot(), self.gpus)})
         snap = self.snapshot()
+        mapped = await self.mapped()
+        fields, values = columns(snap, mapped, self.gpus)
         # orjson: the stdlib's encoder was most of the answer's time (bench/NOTES.md,
         # "Where the time goes").
-        return orjson.dumps(usage(snap, await self.mapped(), self.gpus))
+        host = orjson.dumps(host_usage(snap, self.gpus))
+        spaces = self._rendering.spaces(
+            snap.names, fields, values
+        )  # synchronous: answers never interleave over it
+        return b'{"spaces":' + spaces + b',"host":' + host + b"}"
 
     async def prometheus(self, fleet: tuple[int, int] | None = None) -> bytes:
         """The /metrics answer; in a fleet, `fleet` is (the last change this host applied,
@@ -69,72 +77,109 @@ class Usage:
         return prometheus.exposition(snap, fleet, await self.mapped(), gpus)
 
 
+# The fields of each space in the usage answer, in order. Flat: a nested object per
+# space made the answer much slower (bench/NOTES.md, "Memory cap").
+FIELDS = (
+    "requests",
+    "busy_ms",
+    "warm_s",
+    "loaded",
+    "errors",
+    "cold_starts",
+    "workers_loaded",
+    "last_import_ms",
+    "memory_kib",
+    "released_idle",
+    "released_memory",
+    "released_demand",
+    "mapped_kib",
+    "batches",
+    "batch_rows",
+)
+GPU_FIELDS = ("gpu_memory_kib", "recycled")  # a GPU host's only
+
+
+def columns(
+    snap: Snapshot, mapped: Mapping[str, int] | None = None, gpus: tuple[int, ...] = ()
+) -> tuple[tuple[str, ...], list[np.ndarray]]:
+    """Each space's fields as columns: the field names, then one array per field, in
+    snap.names order.
+
+    Column by column in numpy: a per-space loop of arithmetic was most of the answer's
+    time with many spaces (bench/NOTES.md, "Where the time goes"). A lookup per space
+    only when a space's files are mapped at all."""
+    t = snap.totals
+    n = len(snap.names)
+    if mapped:
+        mapped_kib = np.fromiter((mapped.get(name, 0) // 1024 for name in snap.names), np.int64, n)
+    else:
+        mapped_kib = np.zeros(n, np.int64)
+    values = [
+        t[:, Cell.REQUESTS],
+        t[:, Cell.BUSY_US] // 1000,
+        t[:, Cell.RESIDENT_US] // 1_000_000,
+        snap.workers_loaded > 0,
+        t[:, Cell.ERRORS],
+        t[:, Cell.LOADS],
+        snap.workers_loaded,
+        (snap.last_import_us / 1000).round(3),
+        snap.memory_bytes // 1024,
+        t[:, Cell.RELEASED_IDLE],
+        t[:, Cell.RELEASED_MEMORY],
+        t[:, Cell.RELEASED_DEMAND],
+        mapped_kib,
+        t[:, Cell.BATCHES],
+        t[:, Cell.BATCH_ROWS],
+    ]
+    if not gpus:
+        return FIELDS, values
+    return FIELDS + GPU_FIELDS, [*values, snap.gpu_memory_bytes // 1024, t[:, Cell.RECYCLED]]
+
+
 def usage(
     snap: Snapshot, mapped: Mapping[str, int] | None = None, gpus: tuple[int, ...] = ()
 ) -> dict[str, object]:
-    """The full usage answer: the seed's four fields per space, and more; `mapped` is
-    what Usage.mapped read (none: 0 for every space). A GPU host's (`gpus`) has device
-    memory fields too; a CPU host's answer is as it was without them."""
-    t = snap.totals
-    # Column by column in numpy, then one comprehension: a per-space loop of arithmetic
-    # was most of the answer's time with many spaces (bench/NOTES.md, "Where the time
-    # goes"). A lookup per space only when a space's files are mapped at all.
-    if mapped:
-        mapped_kib = [mapped.get(name, 0) // 1024 for name in snap.names]
-    else:
-        mapped_kib = [0] * len(snap.names)
-    columns = zip(
-        snap.names,
-        t[:, Cell.REQUESTS].tolist(),
-        (t[:, Cell.BUSY_US] // 1000).tolist(),
-        (t[:, Cell.RESIDENT_US] // 1_000_000).tolist(),
-        (snap.workers_loaded > 0).tolist(),
-        t[:, Cell.ERRORS].tolist(),
-        t[:, Cell.LOADS].tolist(),
-        snap.workers_loaded.tolist(),
-        (snap.last_import_us / 1000).round(3).tolist(),
-        (snap.memory_bytes // 1024).tolist(),
-        t[:, Cell.RELEASED_IDLE].tolist(),
-        t[:, Cell.RELEASED_MEMORY].tolist(),
-        t[:, Cell.RELEASED_DEMAND].tolist(),
-        mapped_kib,
-        t[:, Cell.BATCHES].tolist(),
-        t[:, Cell.BATCH_ROWS].tolist(),
-        strict=True,
-    )
-    spaces = {
-        name: {
-            "requests": r,
-            "busy_ms": b,
-            "warm_s": w,
-            "loaded": lo,
-            "errors": e,
-            "cold_starts": c,
-            "workers_loaded": wl,
-            "last_import_ms": li,
-            "memory_kib": k,
-            # Flat: a nested object per space made the answer much slower (bench/NOTES.md,
-            # "Memory cap", what the release counts cost the usage answer).
-            "released_idle": ri,
-            "released_memory": rm,
-            "released_demand": rd,
-            "mapped_kib": mk,
-            "batches": ba,
-            "batch_rows": br,
-        }
-        for name, r, b, w, lo, e, c, wl, li, k, ri, rm, rd, mk, ba, br in columns
-    }
-    if gpus:
-        device = zip(
-            spaces.values(),
-            (snap.gpu_memory_bytes // 1024).tolist(),
-            t[:, Cell.RECYCLED].tolist(),
-            strict=True,
-        )
-        for fields, gk, rc in device:
-            fields["gpu_memory_kib"] = gk
-            fields["recycled"] = rc
+    """The full usage answer as a dict: the seed's four fields per space, and more;
+    `mapped` is what Usage.mapped read (none: 0 for every space). A GPU host's (`gpus`)
+    has device memory fields too."""
+    fields, values = columns(snap, mapped, gpus)
+    rows = zip(snap.names, zip(*(v.tolist() for v in values), strict=True), strict=True)
+    spaces = {name: dict(zip(fields, row, strict=True)) for name, row in rows}
     return {"spaces": spaces, "host": host_usage(snap, gpus)}
+
+
+class Rendering:
+    """The `spaces` object of the last usage answer, kept encoded one space at a time so
+    that the next answer encodes again only the spaces whose fields changed.
+
+    With thousands of spaces most are idle between two answers, and building and
+    encoding a dict per space was most of the answer's time (bench/NOTES.md, "Usage at
+    scale"). The result is exactly what a full encoding gives: a space is encoded again
+    whenever any of its values differs from the last answer's, compared column by
+    column in numpy."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.fields: tuple[str, ...] = ()
+        self.values: list[np.ndarray] = []
+        self.parts: list[bytes] = []
+
+    def spaces(self, names: list[str], fields: tuple[str, ...], values: list[np.ndarray]) -> bytes:
+        """The encoded `spaces` object for these columns (as columns() gives them)."""
+        if names != self.names or fields != self.fields:
+            changed: list[int] | range = range(len(names))
+            self.parts = [b""] * len(names)
+        else:
+            differs = np.zeros(len(names), dtype=bool)
+            for now, before in zip(values, self.values, strict=True):
+                differs |= now != before
+            changed = np.flatnonzero(differs).tolist()
+        if changed:
+            picked = [v[changed].tolist() for v in values]
+            for i, row in zip(changed, zip(*picked, strict=True), strict=True):
+                self.parts[i] = orjson.dumps({names[i]: dict(zip(fields, row, strict=True))})[1:-1]
+        self.names, self.fields, self.values = names, fields, values
+        return b"{" + b",".join(self.parts) + b"}"
 
 
 def host_usage(snap: Snapshot, gpus: tuple[int, ...] = ()) -> dict[str, object]:

@@ -212,9 +212,14 @@ def reclaimable(table: Table, slot: int) -> tuple[int, ...] | None:
     return tuple(int(v) for v in cells[:, _TOTAL_CELLS].sum(axis=0))
 
 
-def totals(table: Table, now: int) -> np.ndarray:
-    """Per-slot totals (S, C) over every row, open stretches counted up to `now`."""
-    cells = table.cell_array()
+def totals(table: Table, now: int, slots: int | None = None) -> np.ndarray:
+    """Per-slot totals (S, C) over every row, open stretches counted up to `now`; with
+    `slots`, of the first that many only.
+
+    Slots are handed out in order, so the ledger's count of them covers every slot in
+    use: summing only those keeps the cost of a checkpoint or a usage answer in
+    proportion to the spaces deployed, not to POLYSERVE_MAX_SPACES."""
+    cells = table.cell_array()[:, :slots]
     summed = cells.sum(axis=0)
     since = cells[:, :, Cell.LOADED_SINCE_US]
     # A stretch that began after `now` (possible when recovering up to a dead master's
@@ -265,24 +270,31 @@ class Snapshot:
 
 def snapshot(table: Table, ledger: Ledger, now: int) -> Snapshot:
     """Read every worker's row and sum: `now` is monotonic µs (now_us)."""
-    cells = table.cell_array()
-    summed = totals(table, now)
-    names, t = _by_name(table, summed, ledger)
     n = min(len(ledger.names), table.space_slots)
+    cells = table.cell_array()[:, :n]
+    summed = totals(table, now, n)
+    names, t = _by_name(table, summed, ledger)
     pad = (0, len(names) - n)  # names without a slot: not loaded anywhere, no latest load
     started = table.header(H_STARTED)
     return Snapshot(
         names=names,
         totals=t,
-        workers_loaded=np.pad((cells[:, :n, Cell.LOADED_SINCE_US] > 0).sum(axis=0), pad),
-        last_import_us=np.pad(cells[:, :n, Cell.LAST_IMPORT_US].max(axis=0), pad),
-        memory_bytes=np.pad(cells[:, :n, Cell.MEMORY_BYTES].max(axis=0), pad),
-        gpu_memory_bytes=np.pad(cells[:, :n, Cell.GPU_MEMORY_BYTES].max(axis=0), pad),
+        workers_loaded=np.pad((cells[:, :, Cell.LOADED_SINCE_US] > 0).sum(axis=0), pad),
+        last_import_us=np.pad(cells[:, :, Cell.LAST_IMPORT_US].max(axis=0), pad),
+        memory_bytes=np.pad(cells[:, :, Cell.MEMORY_BYTES].max(axis=0), pad),
+        gpu_memory_bytes=np.pad(cells[:, :, Cell.GPU_MEMORY_BYTES].max(axis=0), pad),
         workers=int(np.count_nonzero(table.pids)),
         uptime_us=time.time_ns() // 1000 - started if started else 0,
         busy_us=int(summed[:, Cell.BUSY_US].sum()),
         in_flight=int(table.inflight_array().sum()),
     )
+
+
+def loaded_by_name(table: Table, ledger: Ledger) -> dict[str, int]:
+    """The spaces some worker holds now, each with how many workers hold it."""
+    n = min(len(ledger.names), table.space_slots)
+    held = (table.cell_array()[:, :n, Cell.LOADED_SINCE_US] > 0).sum(axis=0)
+    return {ledger.names[slot]: int(held[slot]) for slot in np.flatnonzero(held).tolist()}
 
 
 # -- checkpoint and restore ------------------------------------------------------------
@@ -292,7 +304,8 @@ def totals_by_name(
     table: Table, ledger: Ledger, now: int, cells: tuple[Cell, ...] = TOTALS
 ) -> dict[str, tuple[int, ...]]:
     """Every space's `cells` (in that order), open stretches counted up to `now`."""
-    names, t = _by_name(table, totals(table, now), ledger)
+    n = min(len(ledger.names), table.space_slots)
+    names, t = _by_name(table, totals(table, now, n), ledger)
     rows = t[:, [int(c) for c in cells]].tolist()
     return {name: tuple(row) for name, row in zip(names, rows, strict=True)}
 

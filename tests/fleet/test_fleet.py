@@ -375,6 +375,28 @@ def test_the_fleet_ledger_sums_every_host_and_loses_at_most_a_killed_hosts_last_
         assert {h: host_requests(usage, h) for h in ("a", "b")} == {"a": 40, "b": 30}
 
 
+def test_the_fleet_usage_says_which_spaces_are_loaded_on_the_live_hosts(host_factory, fleet_db):
+    """`loaded` and `workers_loaded` count the workers of live hosts that hold the space
+    now: a space called on one host of two is held once, on both twice, and a host that
+    left holds nothing."""
+    a, b = start_fleet(host_factory, fleet_db, "ab")
+    deployed(a, "u/l", 1, {"applied": 2, "live": 2})
+
+    def held() -> tuple[bool, int] | None:
+        fields = fleet_usage(a)["spaces"].get("u/l")
+        return None if fields is None else (fields["loaded"], fields["workers_loaded"])
+
+    call(b, "u/l", 3)
+    until(lambda: held() == (True, 1), what="the fleet usage to hold u/l on one worker")
+    call(a, "u/l", 2)
+    until(lambda: held() == (True, 2), what="the fleet usage to hold u/l on both hosts")
+    assert fleet_usage(a)["spaces"]["u/l"]["requests"] == 5
+    b.stop()  # it leaves the fleet: what its worker held is not counted
+    until(lambda: held() == (True, 1), what="the fleet usage to drop the host that left")
+    assert write(a, "POST", "/_polyserve/spaces/u/l/release").status_code == 200
+    until(lambda: held() == (False, 0), what="the fleet usage to see the release")
+
+
 # -- a real network partition ----------------------------------------------------------
 
 # What a deploy through a partitioned host may take to answer 503 before this test calls

@@ -301,3 +301,47 @@ def test_a_hand_over_logged_before_releases_were_counted_still_reads(tmp_path):
     u = answer.usage(meter.snapshot(table, slots.ledger(), clock.now))["spaces"]
     assert (u["o/old"]["requests"], u["o/new"]["requests"]) == (4, 2)
     assert released(u["o/new"]) == (1, 0, 0) and released(u["o/old"]) == (0, 0, 0)
+
+
+def test_the_kept_rendering_encodes_exactly_what_a_full_encoding_does():
+    """Usage.json re-encodes only the spaces whose fields changed since the last answer:
+    after every change below, its bytes parse to the full dict answer."""
+    table, clock, meters = world(workers=2, slots=4)
+    rendering = answer.Rendering()
+
+    def rendered(ledger: Ledger) -> dict:
+        snap = meter.snapshot(table, ledger, clock.now)
+        fields, values = answer.columns(snap, {"o/b": 5 << 10})
+        got = json.loads(rendering.spaces(snap.names, fields, values))
+        assert got == answer.usage(snap, {"o/b": 5 << 10})["spaces"]
+        return got
+
+    first = rendered(SPACES)
+    meters[0].loaded(1, clock.now - 2_000, memory_bytes=1 << 20)
+    meters[1].end(2, meters[1].begin(), error=True)
+    clock.now += 3 * S
+    second = rendered(SPACES)
+    assert second["o/b"]["loaded"] and second["o/c"]["errors"] == 1
+    assert second["o/a"] == first["o/a"]  # untouched: kept as it was
+    assert second["o/b"]["warm_s"] == 3 and second["o/b"]["mapped_kib"] == 5
+    assert second["o/b"]["last_import_ms"] == 2.0
+    clock.now += 2 * S  # only the open residency grows
+    assert rendered(SPACES)["o/b"]["warm_s"] == 5
+    # A space handed over to another name: the names differ, all is encoded again.
+    grown = Ledger([*NAMES, "o/d"], offsets={}, retired={})
+    assert rendered(grown)["o/d"]["requests"] == 0
+    assert rendered(SPACES).keys() == set(NAMES)
+
+
+def test_the_ledger_is_built_again_only_when_the_slot_log_changed(tmp_path):
+    log = SlotLog(tmp_path / "slots.log", 4)
+    log.allocate("o/a", lambda name: False, None)
+    first = log.ledger()
+    assert log.ledger() is first  # nothing new in the log: the same object
+    log.allocate("o/b", lambda name: False, None)
+    second = log.ledger()
+    assert second is not first and second.names == ["o/a", "o/b"]
+    # Another process appends (a worker's deploy): this one's next ledger has it.
+    with open(tmp_path / "slots.log", "a") as f:
+        f.write("2\to/c\n")
+    assert log.ledger().names == ["o/a", "o/b", "o/c"]
