@@ -1,4 +1,4 @@
-"""Process helpers written once: end a process group, die with the parent, stop a child.
+"""Process helpers written once: end a process group, die with the parent, stop a child or a tree.
 
 The host's processes (the master, its workers, the fork server and its children, the
 follower, uv) end one another in a few fixed ways; each is here so that every caller
@@ -12,8 +12,10 @@ import ctypes
 import os
 import signal
 import subprocess
+import time
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -45,3 +47,45 @@ def stop_child(proc: subprocess.Popen[bytes], timeout: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def descendants(pid: int) -> set[int]:
+    """Process `pid`'s children, theirs, and so on, from /proc (those still running)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:  # gone already
+            continue
+        for task in tasks:
+            with (
+                contextlib.suppress(OSError),
+                open(f"/proc/{parent}/task/{task}/children") as f,
+            ):
+                for child in map(int, f.read().split()):
+                    if child not in found:
+                        found.add(child)
+                        todo.append(child)
+    return found
+
+
+def become_subreaper() -> None:
+    """Have this process's orphaned descendants reparented to it rather than to init, so
+    that it can still find (descendants) and end them after their parent exits."""
+    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def end_descendants(timeout: float = 10.0) -> None:
+    """SIGKILL every descendant of this process and reap them (a subreaper's children
+    include the orphans), round after round: each finds what the last one's forked."""
+    deadline = time.monotonic() + timeout
+    while (pids := descendants(os.getpid())) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+        with contextlib.suppress(ChildProcessError):  # no child left to reap
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass

@@ -41,6 +41,14 @@ def test_inprocess_bench_runs_one_short_round():
     assert result["rounds"] == 2 and result["a_median_us"] > 0 and result["b_median_us"] > 0
 
 
+@pytest.mark.gunicorn  # polyserve dev starts a host
+def test_dev_save_bench_runs_one_short_round():
+    """A few saves under `polyserve dev`: each is served, and Ctrl-C ends it cleanly."""
+    result = run_bench("dev_save.py", "--saves", "2")
+    assert result["scenario"] == "dev save" and result["saves"] == 2
+    assert result["save_to_serving_ms_p50"] > 0 and result["exit_status"] == 0
+
+
 @pytest.mark.gunicorn  # starts two one-worker hosts
 def test_memory_cap_bench_runs_one_short_round():
     """A few spaces, capped and not: both runs answer every request."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import click
 
-from polyserve.cli import reads, scale, writes
+from polyserve.cli import dev, reads, scale, writes
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -36,5 +36,6 @@ for command in (
     reads.history,
     reads.logs,
     scale.autoscale,
+    dev.dev,
 ):
     main.add_command(command)

@@ -173,7 +173,7 @@ def logs(
         while True:
             answer = client.get(space_path(space, "logs"), since=since)
             for record in answer.get("records", []):
-                click.echo(json.dumps(record) if as_json else _log_line(record))
+                click.echo(json.dumps(record) if as_json else log_line(record))
             since = int(answer.get("next", since))
             if not follow:
                 return
@@ -186,7 +186,7 @@ def logs(
         raise
 
 
-def _log_line(record: dict[str, Any]) -> str:
+def log_line(record: dict[str, Any]) -> str:
     when = human_time(record.get("time"), millis=True)
     return (
         f"{when} {record.get('level', '')!s:<7} v{record.get('version')}"
