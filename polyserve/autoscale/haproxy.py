@@ -2,7 +2,8 @@
 
 It wraps any provider (POLYSERVE_HAPROXY_SOCKET set): once a machine has a URL, its host
 is added to the backend through HAProxy's runtime API (`add server … check id N`, then
-`enable health` and `enable server`); `take_out` drains it (`set server … state drain`:
+`enable health`, `enable server` and `set server … health down`, so it takes requests
+once its checks pass); `take_out` drains it (`set server … state drain`:
 no new requests, those in flight finish) and `delete` removes it (`state maint`, `del
 server`). `list` reconciles, so a URL a cloud learns later, or an HAProxy restarted
 without them, still gets the provider's hosts. Servers are named by their fleet host id;
@@ -43,6 +44,7 @@ TIMEOUT_S = 5.0
 # What a new server is added with: the health check of contrib/haproxy.cfg's backend
 # (its default-server line does not apply to servers added at runtime).
 SERVER_OPTIONS = "check inter 2s fall 2 rise 2"
+DRAIN = 0x08  # HAProxy's SRV_ADMF_FDRAIN, in `show servers state`'s srv_admin_state
 
 
 class RuntimeAPI:
@@ -75,7 +77,12 @@ class RuntimeAPI:
             # ... srv_port (the 19th); the first line is the format version, then "#".
             if len(fields) >= 19 and fields[1] == backend and fields[2].isdigit():
                 found[fields[3]] = Server(
-                    fields[3], int(fields[2]), fields[4], int(fields[18]), int(fields[5])
+                    fields[3],
+                    int(fields[2]),
+                    fields[4],
+                    int(fields[18]),
+                    int(fields[5]),
+                    int(fields[6]),
                 )
         if not found and "Can't find backend" in answer:
             raise ProviderError(f"HAProxy has no backend {backend!r}: {answer.strip()}")
@@ -91,6 +98,11 @@ class Server:
     addr: str
     port: int
     op_state: int  # 0 stopped (down, or in maintenance), 2 running, 1 starting, 3 stopping
+    admin_state: int  # flags: 0x01 maintenance (`state maint`), 0x08 draining (`state drain`)
+
+    @property
+    def draining(self) -> bool:
+        return bool(self.admin_state & DRAIN)
 
 
 class Balanced:
@@ -144,6 +156,9 @@ class Balanced:
         )
         self._expect(f"enable health {name}", "")
         self._expect(f"enable server {name}", "")
+        # HAProxy 2.6 counts a server that leaves maintenance as up before its first
+        # check: down at once, it gets requests only once `rise` checks have passed.
+        self._expect(f"set server {name} health down", "")
 
     def remove(self, host_id: str) -> None:
         """Take the server out of the backend for good (gone already: nothing to do)."""
