@@ -18,6 +18,8 @@ PROVIDERS = {
     "hetzner": "polyserve.autoscale.hetzner",
     "runpod": "polyserve.autoscale.runpod",
 }
+# The hook that puts every provider's hosts behind a load balancer (its settings too).
+HOOK = "polyserve.autoscale.haproxy"
 
 
 def _provider(text: str) -> str:
@@ -150,7 +152,7 @@ class Config:
 def declared() -> tuple[Setting, ...]:
     """The core settings, then each provider's."""
     found = list(CORE)
-    for module in PROVIDERS.values():
+    for module in (*PROVIDERS.values(), HOOK):
         found.extend(importlib.import_module(module).SETTINGS)
     return tuple(found)
 
@@ -198,8 +200,10 @@ _SCALARS = (
 
 
 def make_provider(name: str, values: Mapping[str, Any]) -> Any:
-    """The named provider, built from the settings read."""
-    return importlib.import_module(PROVIDERS[name]).make(values)
+    """The named provider, built from the settings read (behind HAProxy, with the hook's
+    settings)."""
+    provider = importlib.import_module(PROVIDERS[name]).make(values)
+    return importlib.import_module(HOOK).wrap(provider, values)
 
 
 if __name__ == "__main__":

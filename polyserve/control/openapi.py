@@ -229,7 +229,13 @@ SPEC: dict[str, Any] = {
         "/_polyserve/health": {
             "get": {
                 "summary": "The answering worker and the versions it holds",
-                "responses": {"200": _json("health", {"type": "object", "required": ["pid"]})},
+                "responses": {
+                    "200": _json("health", {"type": "object", "required": ["pid"]}),
+                    "503": _json(
+                        "a fleet host not caught up with the fleet (`error` says why)",
+                        {"type": "object", "required": ["pid", "error"]},
+                    ),
+                },
             }
         },
         "/metrics": {

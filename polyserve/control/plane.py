@@ -29,8 +29,10 @@ from polyserve.control.auth import Auth
 from polyserve.deploy.deploys import rollback_request
 from polyserve.errors import ClientError
 from polyserve.host import Host
+from polyserve.state.shm import H_FOLLOWED
 from polyserve.usage import prometheus
 from polyserve.usage.answer import Only
+from polyserve.usage.meter import now_us
 
 if TYPE_CHECKING:
     from polyserve.fleet.client import FleetClient
@@ -204,13 +206,36 @@ class ControlPlane:
         return Response(body, media_type=prometheus.CONTENT_TYPE)
 
     async def health(self, request: Request) -> Response:
-        """This worker: its pid and the version of each space it holds."""
+        """This worker: its pid and the version of each space it holds; on a fleet host,
+        503 while the host is not caught up with the fleet (what a load balancer checks)."""
         active = self.running.registry.active
         loaded = {space: a.version.number for space, a in active.items()}
-        return JSONResponse({"ok": True, "pid": os.getpid(), "loaded": loaded})
+        body: dict[str, object] = {"ok": True, "pid": os.getpid(), "loaded": loaded}
+        behind = _behind(self.settings, self.running.table.header(H_FOLLOWED), now_us())
+        if behind is not None:
+            body.update(ok=False, error=behind)
+            return JSONResponse(body, status_code=503)
+        return JSONResponse(body)
 
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi.SPEC)
+
+
+def _behind(s: settings_mod.Settings, followed_us: int, now: int) -> str | None:
+    """Why a fleet host is not caught up (None: it is, or it is a single host): its
+    follower has not heartbeated after a catch-up yet, or not for POLYSERVE_FLEET_LIVE_S,
+    after which the fleet stops counting it live and deploys stop waiting for it."""
+    if not s.database_url:
+        return None
+    if not followed_us:
+        return "not caught up with the fleet yet: its follower has not applied the changes"
+    if now - followed_us > s.fleet_live_s * 1_000_000:
+        return (
+            f"not caught up with the fleet: its follower has not heartbeated for"
+            f" {(now - followed_us) / 1e6:.0f} s (POLYSERVE_FLEET_LIVE_S={s.fleet_live_s:g}),"
+            " so it may serve older versions: see its log"
+        )
+    return None
 
 
 def _only(text: str | None) -> Only | None:

@@ -30,7 +30,7 @@ from polyserve.procs import die_with_parent
 from polyserve.settings import Settings, load
 from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
-from polyserve.state.shm import H_ALIVE, Table, segment_name
+from polyserve.state.shm import H_ALIVE, H_FOLLOWED, Table, segment_name
 from polyserve.state.store import Store, write_atomic
 from polyserve.usage import meter
 
@@ -71,6 +71,9 @@ class Follower:
                 if not self.db.heartbeat(s.host_id, self.boot.id, *acknowledged):
                     self._replaced()
                     break
+                # The workers' health answers 200 only while this is recent (fleet.caught_up):
+                # a load balancer then sends no requests to a host that may be behind.
+                self.broadcast.table.set_header(H_FOLLOWED, meter.now_us())
                 if time.monotonic() - self._usage_at >= s.checkpoint_interval:
                     self.write_usage()
                 self._wait(listener)

@@ -3,7 +3,9 @@
 Layout (native int64 words, so every cell is an aligned 8-byte store)::
 
     header       8 words   MAGIC, LAYOUT_VERSION, W, S, C, started (wall µs),
-                           alive (monotonic µs, the master's last checkpoint), 0
+                           alive (monotonic µs, the master's last checkpoint),
+                           followed (monotonic µs, the fleet follower's last heartbeat
+                           after a catch-up; 0 until its first, and on a single host)
     workers      W x 2     per worker row: pid (0 = free or booting), requests in flight
     generations  S         per space slot: bumped by each deploy, delete and release
     releases     S         per space slot: bumped by each release on demand
@@ -18,8 +20,8 @@ Layout (native int64 words, so every cell is an aligned 8-byte store)::
 W worker rows, S space slots, C cells. The master creates the segment in gunicorn's
 `when_ready`, once its sockets are bound; forked workers inherit the mapping, so nothing
 is attached by name on the request path. Every word has one writer at a time: a worker
-writes only its own rows, the master writes the header, the base row, and the rows of a
-worker that died.
+writes only its own rows, the master writes the header (but `followed`, the follower's
+one word), the base row, and the rows of a worker that died.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import numpy as np
 MAGIC = 0x70_6F_6C_79_73_72_76  # "polysrv"
 LAYOUT_VERSION = 5  # 5: the release cells (polyserve.usage.meter)
 HEADER_WORDS = 8
-H_STARTED, H_ALIVE = 5, 6
+H_STARTED, H_ALIVE, H_FOLLOWED = 5, 6, 7
 WORKER_WORDS = 2  # pid, in flight
 
 
