@@ -19,6 +19,10 @@ Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserv
     GPU_MEMORY_BYTES device memory the latest load added (NVML's figure for the worker)
     RECYCLED         releases whose device memory stayed with the worker, which was
                      then recycled to give it back (polyserve.serve.devcap)
+    DURATION         histogram.BUCKETS cells, requests by duration (dispatch to
+                     response complete; bounds in polyserve.usage.histogram, not
+                     cumulative), then one cell of their sum in µs. One block per
+                     space slot; a version lane would be another block.
 
 A worker writes only its own row, and only from its event-loop thread (sync handlers
 run in the threadpool, but their requests are metered by the dispatcher on the loop),
@@ -42,6 +46,7 @@ import numpy as np
 from polyserve.state.files import write_atomic
 from polyserve.state.shm import H_ALIVE, H_STARTED, Table
 from polyserve.state.slots import Ledger
+from polyserve.usage import histogram
 
 
 class Cell(IntEnum):
@@ -63,13 +68,16 @@ class Cell(IntEnum):
     RECYCLED = 15
 
 
-CELLS = len(Cell)
+DURATION = len(Cell)  # the first of the duration histogram's cells
+DURATION_SUM = DURATION + histogram.BUCKETS
+CELLS = DURATION_SUM + 1
+_BUCKET = histogram.bucket
 # Plain ints for the request path: an IntEnum member lookup costs more than the store.
 _REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
 # Counters that only grow: what a checkpoint saves, a restart restores, and a slot
 # handed over to another space keeps for its old owner (slots.Ledger).
 # The first six are the billing totals, the columns of the fleet's usage ledger (BILLED).
-TOTALS = (
+TOTALS: tuple[int, ...] = (
     Cell.REQUESTS,
     Cell.ERRORS,
     Cell.BUSY_US,
@@ -82,10 +90,15 @@ TOTALS = (
     Cell.BATCHES,
     Cell.BATCH_ROWS,
     Cell.RECYCLED,
+    *range(DURATION, CELLS),
 )
 BILLED = TOTALS[:6]
 _TOTAL_CELLS = [int(c) for c in TOTALS]
-TOTAL_NAMES = tuple(c.name.lower() for c in TOTALS)  # as checkpoints name them
+# As checkpoints name them; the histogram's cells by their bucket's bound.
+TOTAL_NAMES = tuple(c.name.lower() for c in TOTALS if isinstance(c, Cell)) + histogram.names(
+    "duration"
+)
+_TOTAL_INDEX = dict(zip(TOTAL_NAMES, _TOTAL_CELLS, strict=True))
 BILLED_NAMES = TOTAL_NAMES[: len(BILLED)]  # as the fleet's ledger names them
 # Checkpoints written before the release counts were renamed name them evicted_<reason>.
 _OLD_TOTAL_NAMES = {
@@ -134,8 +147,11 @@ class Meter:
         if slot is None:
             return
         base = self._row + slot * CELLS
+        took = (self._ns() - started) // 1000
         words[base + _REQUESTS] += 1
-        words[base + _BUSY_US] += (self._ns() - started) // 1000
+        words[base + _BUSY_US] += took
+        words[base + DURATION + _BUCKET(took)] += 1
+        words[base + DURATION_SUM] += took
         if error:
             words[base + _ERRORS] += 1
 
@@ -301,7 +317,7 @@ def loaded_by_name(table: Table, ledger: Ledger) -> dict[str, int]:
 
 
 def totals_by_name(
-    table: Table, ledger: Ledger, now: int, cells: tuple[Cell, ...] = TOTALS
+    table: Table, ledger: Ledger, now: int, cells: tuple[int, ...] = TOTALS
 ) -> dict[str, tuple[int, ...]]:
     """Every space's `cells` (in that order), open stretches counted up to `now`."""
     n = min(len(ledger.names), table.space_slots)
@@ -334,7 +350,9 @@ def checkpoint_totals(path: Path, ledger: Ledger) -> np.ndarray | None:
     t = np.zeros((len(ledger.names), CELLS), dtype=np.int64)
     for slot, name in enumerate(ledger.names):
         for key, value in saved.get(name, {}).items():
-            t[slot, Cell[_OLD_TOTAL_NAMES.get(key, key).upper()]] = value
+            index = _TOTAL_INDEX.get(_OLD_TOTAL_NAMES.get(key, key))
+            if index is not None:  # a name this layout has not: not restored
+                t[slot, index] = value
         if slot in ledger.offsets:
             t[slot, _TOTAL_CELLS] -= _widen(ledger.offsets[slot])
     return t

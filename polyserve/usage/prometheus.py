@@ -7,11 +7,17 @@ from typing import Literal
 
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from polyserve.devices import Memory
-from polyserve.usage.meter import RELEASES, Cell, Snapshot
+from polyserve.usage import histogram
+from polyserve.usage.meter import DURATION, DURATION_SUM, RELEASES, Cell, Snapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -107,6 +113,7 @@ class _SnapshotCollector:
             for space, value in zip(snap.names, values(snap).tolist(), strict=True):
                 family.add_metric([space], value)
             yield family
+        yield self._durations()
         if self.mapped is not None:
             family = GaugeMetricFamily(
                 "polyserve_space_mapped_bytes",
@@ -149,6 +156,22 @@ class _SnapshotCollector:
                 "Fleet changes this host has not applied yet.",
                 value=max(last - applied, 0),
             )
+
+    def _durations(self) -> Metric:
+        """Each space's request durations: buckets made cumulative here, the table's
+        cells count each bucket alone."""
+        snap = self.snap
+        family = HistogramMetricFamily(
+            "polyserve_space_request_duration_seconds",
+            "Time from dispatch to the space until its response completed.",
+            labels=["space"],
+        )
+        bounds = [f"{b / 1e6:g}" for b in histogram.BOUNDS_US] + ["+Inf"]
+        cumulative = np.cumsum(snap.totals[:, DURATION:DURATION_SUM], axis=1).tolist()
+        sums = (snap.totals[:, DURATION_SUM] / 1e6).tolist()
+        for space, counts, total in zip(snap.names, cumulative, sums, strict=True):
+            family.add_metric([space], list(zip(bounds, counts, strict=True)), total)
+        return family
 
     def _gpu_metrics(self) -> Iterator[Metric]:
         """A GPU host's: each space's device memory and recycles, each GPU's memory."""

@@ -197,7 +197,8 @@ def test_a_slot_is_reclaimable_only_once_nobody_holds_or_warms_it():
     clock.now += 2 * S
     meters[1].released(1)
     final = meter.reclaimable(table, 1)
-    assert final is not None and dict(zip(meter.TOTALS, final, strict=True)) == {
+    named = {c: v for c, v in zip(meter.TOTALS, final, strict=True) if isinstance(c, Cell)}
+    assert final is not None and named == {
         Cell.REQUESTS: 1,
         Cell.ERRORS: 0,
         Cell.BUSY_US: 0,
