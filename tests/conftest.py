@@ -10,6 +10,8 @@ import pytest
 
 from polyserve import devices
 from polyserve.state.shm import segment_name
+from tests.haproxy import INSTALL_HINT as HAPROXY_HINT
+from tests.haproxy import find_haproxy
 from tests.helpers import HOST_FIXTURES, HostProcess, module_host
 from tests.postgres import INSTALL_HINT, PostgresServer, find_bindir
 
@@ -103,3 +105,12 @@ def own_postgres() -> Iterator[PostgresServer]:
         yield server.start()
     finally:
         server.destroy()
+
+
+@pytest.fixture
+def haproxy_binary() -> str:
+    """Debian's haproxy, or the test skips saying how to install it."""
+    found = find_haproxy()
+    if found is None:
+        pytest.skip(HAPROXY_HINT)
+    return found

@@ -17,20 +17,12 @@ import pytest
 from polyserve.autoscale.haproxy import Balanced, RuntimeAPI
 from polyserve.autoscale.local import LocalProvider
 from polyserve.autoscale.provider import HostSpec, Machine
-from tests.haproxy import BACKEND, INSTALL_HINT, HAProxy, find_haproxy
+from tests.haproxy import BACKEND, HAProxy
 from tests.helpers import REPO, until
 
 pytestmark = pytest.mark.gunicorn
 ROUTED = r" polyserve/(\w+) .*?\"GET (\S+) "  # option httplog: the server, the path
 MAIN = "def handle(request):\n    return 'ok'\n"
-
-
-@pytest.fixture
-def haproxy_binary() -> str:
-    found = find_haproxy()
-    if found is None:
-        pytest.skip(INSTALL_HINT)
-    return found
 
 
 @pytest.fixture

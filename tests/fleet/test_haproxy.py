@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
-from tests.haproxy import INSTALL_HINT, HAProxy, find_haproxy
+from tests.haproxy import HAProxy
 from tests.helpers import HostProcess, until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.gunicorn]
@@ -36,14 +36,6 @@ def _client() -> Iterator[httpx.Client]:
     global CLIENT
     with httpx.Client(headers={"Connection": "close"}, timeout=60) as CLIENT:
         yield CLIENT
-
-
-@pytest.fixture
-def haproxy_binary() -> str:
-    found = find_haproxy()
-    if found is None:
-        pytest.skip(INSTALL_HINT)
-    return found
 
 
 @pytest.fixture
