@@ -31,5 +31,5 @@ def bucket(us: int) -> int:
 
 
 def names(prefix: str) -> tuple[str, ...]:
-    """Checkpoint names of a histogram's bucket cells, by bound, then its sum."""
-    return (*(f"{prefix}_le_{b}us" for b in BOUNDS_US), f"{prefix}_le_inf", f"{prefix}_sum_us")
+    """Checkpoint names of a histogram's bucket cells, by bound."""
+    return (*(f"{prefix}_le_{b}us" for b in BOUNDS_US), f"{prefix}_le_inf")

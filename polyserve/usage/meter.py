@@ -21,8 +21,8 @@ Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserv
                      then recycled to give it back (polyserve.serve.devcap)
     DURATION         histogram.BUCKETS cells, requests by duration (dispatch to
                      response complete; bounds in polyserve.usage.histogram, not
-                     cumulative), then one cell of their sum in µs. One block per
-                     space slot; a version lane would be another block.
+                     cumulative); their sum is BUSY_US, the same durations. One
+                     block per space slot; a version lane would be another block.
 
 A worker writes only its own row, and only from its event-loop thread (sync handlers
 run in the threadpool, but their requests are metered by the dispatcher on the loop),
@@ -69,8 +69,7 @@ class Cell(IntEnum):
 
 
 DURATION = len(Cell)  # the first of the duration histogram's cells
-DURATION_SUM = DURATION + histogram.BUCKETS
-CELLS = DURATION_SUM + 1
+CELLS = DURATION + histogram.BUCKETS
 _BUCKET = histogram.bucket
 # Plain ints for the request path: an IntEnum member lookup costs more than the store.
 _REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
@@ -150,8 +149,7 @@ class Meter:
         took = (self._ns() - started) // 1000
         words[base + _REQUESTS] += 1
         words[base + _BUSY_US] += took
-        words[base + DURATION + _BUCKET(took)] += 1
-        words[base + DURATION_SUM] += took
+        words[base + DURATION + _BUCKET(took)] += 1  # the histogram's sum is BUSY_US
         if error:
             words[base + _ERRORS] += 1
 

@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from polyserve.devices import Memory
 from polyserve.usage import histogram
-from polyserve.usage.meter import DURATION, DURATION_SUM, RELEASES, Cell, Snapshot
+from polyserve.usage.meter import CELLS, DURATION, RELEASES, Cell, Snapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -167,8 +167,9 @@ class _SnapshotCollector:
             labels=["space"],
         )
         bounds = [f"{b / 1e6:g}" for b in histogram.BOUNDS_US] + ["+Inf"]
-        cumulative = np.cumsum(snap.totals[:, DURATION:DURATION_SUM], axis=1).tolist()
-        sums = (snap.totals[:, DURATION_SUM] / 1e6).tolist()
+        cumulative = np.cumsum(snap.totals[:, DURATION:CELLS], axis=1).tolist()
+        # The sum of the durations is the busy time: end() adds the same µs to both.
+        sums = (snap.totals[:, Cell.BUSY_US] / 1e6).tolist()
         for space, counts, total in zip(snap.names, cumulative, sums, strict=True):
             family.add_metric([space], list(zip(bounds, counts, strict=True)), total)
         return family
