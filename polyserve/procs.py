@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -49,25 +50,45 @@ def stop_child(proc: subprocess.Popen[bytes], timeout: float) -> None:
         proc.wait()
 
 
+def children(pid: int) -> list[int]:
+    """Process `pid`'s children: from its threads' `children` lists where the kernel
+    keeps them, else by a walk of /proc."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        return [
+            int(child)
+            for task in tasks
+            for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+        ]
+    except (FileNotFoundError, ProcessLookupError):  # no CONFIG_PROC_CHILDREN, or `pid` is gone
+        pass
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and state_and_parent(int(name))[1] == pid:
+            found.append(int(name))
+    return found
+
+
+def state_and_parent(pid: int) -> tuple[str, int]:
+    """Process `pid`'s state letter and parent pid; ("", 0) once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return "", 0
+    state, ppid = stat[stat.rindex(b")") + 2 :].split(None, 2)[:2]
+    return state.decode(), int(ppid)
+
+
 def descendants(pid: int) -> set[int]:
-    """Process `pid`'s children, theirs, and so on, from /proc (those still running)."""
+    """Process `pid`'s children, theirs, and so on (those still running)."""
     found: set[int] = set()
     todo = [pid]
     while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:  # gone already
-            continue
-        for task in tasks:
-            with (
-                contextlib.suppress(OSError),
-                open(f"/proc/{parent}/task/{task}/children") as f,
-            ):
-                for child in map(int, f.read().split()):
-                    if child not in found:
-                        found.add(child)
-                        todo.append(child)
+        for child in children(todo.pop()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
     return found
 
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 from polyserve import procs
-from polyserve.deploy import child, forkspares, sandbox
+from polyserve.deploy import child, forkspares
 from polyserve.deploy.forkclient import MAX_MESSAGE, peer
 
 _END_S = 5.0  # how long an ended validation's keeper has to clean up before it is killed
@@ -223,7 +223,7 @@ class Server:
             waiting -= set(select.select(list(waiting), [], [], left)[0])
         for pid in pidfds:
             procs.kill_group(pid, denied_ok=True)
-        for pid in sandbox.children(os.getpid()):
+        for pid in procs.children(os.getpid()):
             if pid not in pidfds:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -240,7 +240,7 @@ class _Strays:
 
     def kill(self, forked: Callable[[int], bool]) -> None:
         """Kill every child of this process that is not `forked` by it, nor killed yet."""
-        for pid in sandbox.children(os.getpid()):
+        for pid in procs.children(os.getpid()):
             if forked(pid) or pid in self.pidfds:
                 continue
             with contextlib.suppress(ProcessLookupError):

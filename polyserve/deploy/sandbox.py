@@ -163,7 +163,7 @@ def _reap_all() -> None:
             return  # none left: the usual answer, without a look at /proc
         if pid:
             continue
-        for orphan in children(os.getpid()):
+        for orphan in procs.children(os.getpid()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(orphan, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
@@ -182,36 +182,6 @@ def _exit_as(status: int) -> NoReturn:
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else EXIT_KEEPER_GONE)
 
 
-def children(pid: int) -> list[int]:
-    """Process `pid`'s children: from its threads' `children` lists where the kernel
-    keeps them, else by a walk of /proc."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-        return [
-            int(child)
-            for task in tasks
-            for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()
-        ]
-    except FileNotFoundError:  # no CONFIG_PROC_CHILDREN (or `pid` is gone)
-        pass
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit() and _stat(int(name))[1] == pid:
-            found.append(int(name))
-    return found
-
-
-def _stat(pid: int) -> tuple[str, int]:
-    """Process `pid`'s state letter and parent pid; ("", 0) once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return "", 0
-    state, ppid = stat[stat.rindex(b")") + 2 :].split(None, 2)[:2]
-    return state.decode(), int(ppid)
-
-
 def stopped(pid: int) -> bool:
     """Whether process `pid` is stopped (SIGSTOP, or a tracer): it answers nothing."""
-    return _stat(pid)[0] in ("T", "t")
+    return procs.state_and_parent(pid)[0] in ("T", "t")

@@ -71,7 +71,7 @@ class Follower:
                 if not self.db.heartbeat(s.host_id, self.boot.id, *acknowledged):
                     self._replaced()
                     break
-                # The workers' health answers 200 only while this is recent (fleet.caught_up):
+                # The workers' health answers 200 only while this is recent (control/plane.py):
                 # a load balancer then sends no requests to a host that may be behind.
                 self.broadcast.table.set_header(H_FOLLOWED, meter.now_us())
                 if time.monotonic() - self._usage_at >= s.checkpoint_interval:

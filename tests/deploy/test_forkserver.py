@@ -297,7 +297,7 @@ def test_a_spare_that_does_not_take_its_request_is_killed_and_reports_no_exit_st
     in a new interpreter rather than answer 422 for the tenant's code, which never ran."""
     monkeypatch.setattr(forkspares, "_TAKE_S", 0)
     # This process is the server here: its other children are not strays to kill.
-    monkeypatch.setattr(forkloop.sandbox, "children", lambda pid: [])
+    monkeypatch.setattr(forkloop.procs, "children", lambda pid: [])
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
         name = f"polyserve-test-take-{os.getpid()}"
         listener.bind("\0" + name)
