@@ -111,6 +111,26 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (host, space)
     );
     """,
+    # Private spaces and secrets (docs/private-spaces.md, docs/secrets.md): one row of
+    # access per space (its keys as digests, never the keys), one row per secret, and
+    # the change kinds that tell every host to apply them.
+    """
+    CREATE TABLE polyserve_access (
+        space text PRIMARY KEY,
+        private boolean NOT NULL DEFAULT false,
+        keys jsonb NOT NULL DEFAULT '[]'          -- [{id, sha256, rate, created}]
+    );
+    CREATE TABLE polyserve_secrets (
+        space text NOT NULL,
+        name text NOT NULL,
+        value bytea NOT NULL,
+        updated_at timestamptz NOT NULL DEFAULT now(),
+        PRIMARY KEY (space, name)
+    );
+    ALTER TABLE polyserve_changes DROP CONSTRAINT polyserve_changes_kind_check;
+    ALTER TABLE polyserve_changes ADD CONSTRAINT polyserve_changes_kind_check
+        CHECK (kind IN ('deploy', 'delete', 'release', 'access', 'secrets'));
+    """,
 )
 
 
