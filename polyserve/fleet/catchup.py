@@ -149,7 +149,9 @@ class CatchUp:
         cap = self.settings.max_unpacked_mb << 20
         while True:
             staged = None
-            if stored.size is not None:
+            # A space with no files here was never served here (or its files were
+            # pruned): only its pointer moves, and its first request fetches the files.
+            if stored.size is not None and self._eager(space):
                 staged = download(self.db, self.store, space, stored, cap)
             try:
                 place = partial(self._place, space, stored, staged)
@@ -170,7 +172,14 @@ class CatchUp:
             return store.publish(space, staged, stored.meta, reclaim, stored.number)[0]
         if stored.size is None or store.has_files(space, stored.number, stored.sha256):
             return store.point(space, stored.number, stored.meta, reclaim)
+        if not self._eager(space):  # its files come on its first request here
+            return store.point(space, stored.number, stored.meta, reclaim)
         return None
+
+    def _eager(self, space: str) -> bool:
+        """Whether a deploy's files are fetched as it arrives (POLYSERVE_FLEET_FILES): for
+        every space, or for those with files here (served here, or still held)."""
+        return self.settings.fleet_files == "all" or self.store.holds_files(space)
 
     def _take_pointers(self, back: bool = False) -> None:
         """Far behind, or `back` in time: adopt the fleet's current pointers; files come

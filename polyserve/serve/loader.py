@@ -45,6 +45,11 @@ class LoadError(Exception):
         self.details = {"error": error, **details}
 
 
+class FilesAway(LoadError):
+    """A fleet version whose files are not on this host and cannot be fetched now (the
+    fleet's database is unreachable): answered 503 with Retry-After."""
+
+
 class DeviceLoadError(LoadError):
     """A load refused because its session would not run on the worker's GPU
     (polyserve.serve.gpu.DeviceRefused): the host's to fix, answered 503."""

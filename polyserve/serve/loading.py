@@ -255,6 +255,11 @@ class Loads:
         try:
             await self.fetch(version)
         except ClientError as exc:
+            if exc.status == 503:  # the fleet's database is away: it may be back soon
+                raise loader.FilesAway(
+                    f"the files of {version.space} v{version.number} are not on this host"
+                    f" yet, and fetching them failed: {exc.error}"
+                ) from exc
             raise loader.LoadError(exc.error) from exc
 
 

@@ -92,11 +92,22 @@ class Layout:
         files = self.space_dir(space) / "versions" / str(number)
         return known is not None and known.get("sha256") == sha256 and files.is_dir()
 
+    def holds_files(self, space: str) -> bool:
+        """Whether any version of the space has its files on disk here."""
+        try:
+            return any(entry.is_dir() for entry in (self.space_dir(space) / "versions").iterdir())
+        except FileNotFoundError:
+            return False
+
     def spaces(self) -> dict[str, dict[str, object]]:
         """Every deployed space with its current version's metadata."""
         found: dict[str, dict[str, object]] = {}
-        for current in sorted(self.spaces_dir.glob("*/*/current")):
-            space = f"{current.parent.parent.name}/{current.parent.name}"
+        # Not glob("*/*/current"): it skips a `current` whose files are not here yet (a
+        # fleet host's pointer, its files fetched on first use), a link to nothing.
+        for sdir in sorted(self.spaces_dir.glob("*/*/")):
+            if not os.path.lexists(sdir / "current"):
+                continue
+            space = f"{sdir.parent.name}/{sdir.name}"
             version = self.current(space)
             meta = self.meta(space, version.number) if version is not None else None
             if meta is not None:
