@@ -71,8 +71,9 @@ class Cell(IntEnum):
 
 
 DURATION = len(Cell)  # the first of the duration histogram's cells
+DURATION_END = DURATION + histogram.BUCKETS  # past the histogram's last cell
 # The keys' block, after the histogram's: a key's requests are KEY_REQUESTS + its cell.
-KEY_REQUESTS = DURATION + histogram.BUCKETS
+KEY_REQUESTS = DURATION_END
 KEY_CELLS = 8  # a space's keys at most (polyserve.state.access.MAX_KEYS)
 CELLS = KEY_REQUESTS + KEY_CELLS
 _BUCKET = histogram.bucket
@@ -94,7 +95,7 @@ TOTALS: tuple[int, ...] = (
     Cell.BATCHES,
     Cell.BATCH_ROWS,
     Cell.RECYCLED,
-    *range(DURATION, KEY_REQUESTS),
+    *range(DURATION, DURATION_END),
     *range(KEY_REQUESTS, CELLS),
 )
 BILLED = TOTALS[:6]

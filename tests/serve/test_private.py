@@ -207,3 +207,19 @@ def test_delete_drops_access(host: HostProcess) -> None:
     deploy(host, space)
     assert call(host, space).status_code == 200
     assert host.get(f"/_polyserve/spaces/{space}/keys").json()["keys"] == []
+
+
+def test_key_counts_survive_a_restart(host_factory) -> None:
+    """Per-key requests are checkpointed and restored with the other totals."""
+    one = host_factory("restarted", workers=1, POLYSERVE_CHECKPOINT_INTERVAL="0.3")
+    space = "alice/restarted"
+    deploy(one, space)
+    make_private(one, space)
+    key = mint(one, space)
+    for _ in range(4):
+        assert call(one, space, key["key"]).status_code == 200
+    one.stop()
+    one.start()
+    assert usage_of(one, space)["keys"] == {key["id"]: 4}
+    assert call(one, space, key["key"]).status_code == 200
+    assert usage_of(one, space)["keys"] == {key["id"]: 5}
