@@ -4,8 +4,11 @@ Each worker keeps the access it read of each space (polyserve.state.access) with
 space's access word as it was then; a request compares the word and reads the file again
 only when a change moved it (an access change, a deploy, a delete), so a public space's
 request costs one dict lookup and one word compare (bench/NOTES.md, "The key check").
-A private space's request sends `Authorization: Bearer <key>`: its sha256 is compared
-with each key's digest (hmac.compare_digest), then the key's rate limit is checked.
+A private space's request sends `Authorization: Bearer <key>`: its sha256 finds the key
+by digest, compared again with hmac.compare_digest, then the key's rate is checked. A
+worker remembers the keys that passed since the space's access last changed, so a
+key's next request skips the sha256: the worker sees each key in every request anyway,
+and nothing of it is written anywhere (docs/private-spaces.md, "What it costs").
 
 A key's rate is a token bucket in each worker: a key of rate r is let through at most r
 requests a second per worker (a burst of max(r, 1)), so a host lets through up to r
@@ -14,12 +17,12 @@ times its workers; docs/private-spaces.md says so.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from hashlib import sha256
+from hmac import compare_digest
 
 from polyserve.state import access as access_mod
 from polyserve.state.shm import Table
@@ -39,22 +42,24 @@ class Refused(Exception):
         self.headers = headers
 
 
-@dataclass
+@dataclass(slots=True)
 class _Key:
     id: str
     digest: bytes  # sha256 of the key, raw
     cell: int
     rate: float | None
+    burst: float = 1.0  # the bucket's size: max(rate, 1)
     tokens: float = 0.0
     at: float = 0.0  # when `tokens` was last filled (monotonic s)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Seen:
     slot: int
     word: int  # the space's access word when the file was read
-    keys: list[_Key] | None  # None: public
+    keys: dict[bytes, _Key] | None  # by digest; None: public
     by_id: dict[str, _Key] = field(default_factory=dict)
+    verified: dict[bytes, _Key] = field(default_factory=dict)  # keys sent that passed
 
 
 class Gate:
@@ -75,7 +80,7 @@ class Gate:
                 return PUBLIC  # not deployed here: dispatch answers that
         if seen.keys is None:
             return PUBLIC
-        return self._private(space, seen.keys, headers)
+        return self._private(space, seen, headers)
 
     def _read(self, space: str, before: _Seen | None) -> _Seen | None:
         """The space's access as its file says now; None (nothing kept) without a slot."""
@@ -87,16 +92,17 @@ class Gate:
             return None
         word = self.words[slot]  # before the read: a change after it moves the word again
         found = access_mod.read(self.store.root, space)
-        keys: list[_Key] | None = None
+        keys: dict[bytes, _Key] | None = None
         if found is not None and found.private:
             old = before.by_id if before is not None else {}
             now = self.clock()
-            keys = [_key(k, old.get(str(k.get("id"))), now) for k in found.keys]
-        seen = _Seen(slot, word, keys, {k.id: k for k in keys or ()})
+            made = [_key(k, old.get(str(k.get("id"))), now) for k in found.keys]
+            keys = {k.digest: k for k in made}
+        seen = _Seen(slot, word, keys, {k.id: k for k in (keys or {}).values()})
         self._seen[space] = seen
         return seen
 
-    def _private(self, space: str, keys: list[_Key], headers: list[tuple[bytes, bytes]]) -> int:
+    def _private(self, space: str, seen: _Seen, headers: list[tuple[bytes, bytes]]) -> int:
         sent = _bearer(headers)
         if sent is None:
             raise _unauthorized(
@@ -104,38 +110,46 @@ class Gate:
                 f"space {space} is private: send `Authorization: Bearer <key>` with a key"
                 f" its owner minted (POST /_polyserve/spaces/{space}/keys)",
             )
-        digest = hashlib.sha256(sent).digest()
-        match = None
-        for key in keys:  # every digest compared, in constant time each
-            if hmac.compare_digest(digest, key.digest):
-                match = key
+        match = seen.verified.get(sent)
         if match is None:
-            raise _unauthorized(
-                space,
-                f"the key sent is not one of space {space}'s keys (revoked, mistyped, or"
-                " another space's): send `Authorization: Bearer <key>` with one of its keys",
-            )
-        if match.rate is not None:
-            self._spend(space, match)
+            # Found by its digest, then compared in constant time: what a lookup's timing
+            # could tell is about the sha256 of the key sent, never about a key kept.
+            digest = sha256(sent).digest()
+            match = seen.keys.get(digest) if seen.keys is not None else None
+            if match is None or not compare_digest(digest, match.digest):
+                raise _unauthorized(
+                    space,
+                    f"the key sent is not one of space {space}'s keys (revoked, mistyped, or"
+                    " another space's): send `Authorization: Bearer <key>` with one of its keys",
+                )
+            # The sha256 is most of the check's cost: a key that passed is found by
+            # itself next time (at most MAX_KEYS of them, dropped with this record at
+            # the next change of access, a revoke included).
+            seen.verified[sent] = match
+        rate = match.rate
+        if rate:
+            # The key's token bucket in this worker: a burst of max(rate, 1).
+            now = self.clock()
+            tokens = match.tokens + (now - match.at) * rate
+            match.at = now
+            if tokens >= 1.0:
+                match.tokens = min(match.burst, tokens) - 1.0
+                return match.cell
+            match.tokens = tokens
+            raise _limited(space, match)
         return match.cell
 
-    def _spend(self, space: str, key: _Key) -> None:
-        """Take a token from the key's bucket, or refuse with 429 and when to retry."""
-        rate = key.rate or 0.0
-        burst = max(rate, 1.0)
-        now = self.clock()
-        key.tokens = min(burst, key.tokens + (now - key.at) * rate)
-        key.at = now
-        if key.tokens >= 1.0:
-            key.tokens -= 1.0
-            return
-        wait = max(1, math.ceil((1.0 - key.tokens) / rate))
-        error = (
-            f"key {key.id} of space {space} is limited to {rate:g} requests per second"
-            f" (per worker): retry after {wait} s, or ask the owner for a higher rate"
-        )
-        body: dict[str, object] = {"error": error, "space": space, "key": key.id, "rate": rate}
-        raise Refused(429, body, {"retry-after": str(wait)})
+
+def _limited(space: str, key: _Key) -> Refused:
+    """429, and when one token will be back."""
+    rate = key.rate or 1.0
+    wait = max(1, math.ceil((1.0 - key.tokens) / rate))
+    error = (
+        f"key {key.id} of space {space} is limited to {rate:g} requests per second"
+        f" (per worker): retry after {wait} s, or ask the owner for a higher rate"
+    )
+    body: dict[str, object] = {"error": error, "space": space, "key": key.id, "rate": rate}
+    return Refused(429, body, {"retry-after": str(wait)})
 
 
 def _key(record: dict[str, object], old: _Key | None, now: float) -> _Key:
@@ -146,10 +160,11 @@ def _key(record: dict[str, object], old: _Key | None, now: float) -> _Key:
         cell=int(str(record.get("cell", 0))),
         rate=float(rate) if isinstance(rate, int | float) else None,
     )
+    key.burst = max(key.rate or 0.0, 1.0)
     if old is not None and old.digest == key.digest and old.rate == key.rate:
         key.tokens, key.at = old.tokens, old.at  # a re-read keeps what the key has spent
     else:
-        key.tokens, key.at = max(key.rate or 0.0, 1.0), now
+        key.tokens, key.at = key.burst, now
     return key
 
 
@@ -157,10 +172,9 @@ def _bearer(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     """The key of an `Authorization: Bearer <key>` header, or None."""
     for name, value in headers:
         if name == b"authorization":
-            scheme, _, token = value.strip().partition(b" ")
-            if scheme.lower() == b"bearer" and token.strip():
-                return token.strip()
-            return None
+            if value[:7].lower() != b"bearer ":
+                return None
+            return value[7:].strip() or None
     return None
 
 

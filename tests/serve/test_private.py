@@ -223,3 +223,23 @@ def test_key_counts_survive_a_restart(host_factory) -> None:
     assert usage_of(one, space)["keys"] == {key["id"]: 4}
     assert call(one, space, key["key"]).status_code == 200
     assert usage_of(one, space)["keys"] == {key["id"]: 5}
+
+
+def test_the_keys_command(host: HostProcess) -> None:
+    """`polyserve keys`: --private, --add --rate (the key printed once), list, --revoke."""
+    from tests.cli.test_cli import ok, polyserve
+
+    space = "alice/cli"
+    deploy(host, space)
+    assert "private" in ok(polyserve("keys", space, "--private", url=host.url))
+    added = ok(polyserve("keys", space, "--add", "--rate", "5", url=host.url))
+    key = added.split("key: ", 1)[1].split()[0]
+    key_id = added.split("minted key ", 1)[1].split()[0]
+    assert call(host, space, key).status_code == 200
+    listed = ok(polyserve("keys", space, url=host.url))
+    assert key_id in listed and "5/s" in listed and key not in listed
+    ok(polyserve("keys", space, "--revoke", key_id, url=host.url))
+    assert call(host, space, key).status_code == 401
+    missing = polyserve("keys", space, "--revoke", key_id, url=host.url)
+    assert missing.returncode == 1 and "no key" in missing.stderr
+    assert polyserve("keys", space, "--rate", "1", url=host.url).returncode == 2
