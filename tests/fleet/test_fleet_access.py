@@ -78,3 +78,30 @@ def test_revoke_on_one_host_is_in_force_on_the_other(host_factory, fleet_db):
     for host in (a, b):
         files = [p for p in host.data_dir.rglob("*") if p.is_file()]
         assert not [p for p in files if key.encode() in p.read_bytes()]
+
+
+def test_a_host_joining_far_behind_takes_the_fleets_access(host_factory, fleet_db):
+    """A host that joins after more changes than it replays one by one (it takes the
+    fleet's pointers) refuses a private space's callers and takes its live key only."""
+    a = host_factory("a", workers=1, POLYSERVE_DATABASE_URL=fleet_db, POLYSERVE_HOST_ID="a", **FAST)
+    space = "u/joined"
+    deployed = httpx.post(
+        f"{a.url}/_polyserve/deploy", data={"space": space}, files={"module": ("main.py", PID)}
+    )
+    assert deployed.status_code == 200, deployed.text
+    keys = f"{a.url}/_polyserve/spaces/{space}/keys"
+    httpx.put(
+        f"{a.url}/_polyserve/spaces/{space}/access", json={"private": True}
+    ).raise_for_status()
+    revoked = []
+    for _ in range(12):  # 24 changes: more than a follower applies one by one
+        minted = httpx.post(keys).json()
+        httpx.delete(f"{keys}/{minted['id']}").raise_for_status()
+        revoked.append(minted["key"])
+    kept = httpx.post(keys).json()["key"]
+    b = host_factory("b", workers=1, POLYSERVE_DATABASE_URL=fleet_db, POLYSERVE_HOST_ID="b", **FAST)
+    until(lambda: httpx.get(f"{b.url}/_polyserve/health").status_code == 200, what="B caught up")
+    assert "took the fleet's pointers" in b.tail(200)
+    assert call(b, space) == 401
+    assert call(b, space, revoked[0]) == 401 and call(b, space, revoked[-1]) == 401
+    assert call(b, space, kept) == 200

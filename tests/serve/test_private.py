@@ -243,3 +243,19 @@ def test_the_keys_command(host: HostProcess) -> None:
     missing = polyserve("keys", space, "--revoke", key_id, url=host.url)
     assert missing.returncode == 1 and "no key" in missing.stderr
     assert polyserve("keys", space, "--rate", "1", url=host.url).returncode == 2
+
+
+def test_inference_protocol_routes_take_the_key(host: HostProcess) -> None:
+    """/v2/models/{owner}/{name}/… of a private space: 401 without its key, then on."""
+    space = "alice/protocol"
+    deploy(host, space)
+    make_private(host, space)
+    key = mint(host, space)["key"]
+    for path, method in ((f"/v2/models/{space}", "GET"), (f"/v2/models/{space}/infer", "POST")):
+        url = host.url + path
+        refused = httpx.request(method, url, json={"inputs": []})
+        assert refused.status_code == 401, refused.text
+        assert "Bearer" in refused.json()["error"]
+        # With the key the request goes on: this space is not a model, which says so.
+        passed = httpx.request(method, url, json={"inputs": []}, headers=bearer(key))
+        assert passed.status_code == 404 and "not a model space" in passed.text
