@@ -130,7 +130,8 @@ class ChangeLog(Connection):
             ).fetchall()
             changes = conn.execute(
                 "SELECT kind, version, extract(epoch FROM at)::float8 FROM polyserve_changes"
-                " WHERE space = %s ORDER BY id",
+                # An access change moves no version: not an event of the history.
+                " WHERE space = %s AND kind <> 'access' ORDER BY id",
                 (space,),
             ).fetchall()
         versions = [version_summary(meta, number, current) for number, meta in stored]

@@ -63,6 +63,9 @@ def test_revoke_on_one_host_is_in_force_on_the_other(host_factory, fleet_db):
     assert revoked.json()["hosts"] == {"applied": 2, "live": 2}
     for host in (b, b, b, b, a):
         assert call(host, space, key) == 401
+    # Access changes move no version: the space's history is its one deploy.
+    history = httpx.get(f"{a.url}/_polyserve/spaces/{space}/versions").json()["history"]
+    assert [(e["event"], e["version"]) for e in history] == [("deploy", 1)]
 
     with psycopg.connect(fleet_db) as conn:
         tables = [
