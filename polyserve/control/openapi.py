@@ -200,6 +200,99 @@ SPEC: dict[str, Any] = {
                 },
             }
         },
+        "/_polyserve/spaces/{owner}/{name}/keys": {
+            "get": {
+                "summary": "A space's access: private or not, and its keys' ids and rates"
+                " (never a key, never a digest; docs/private-spaces.md)",
+                "security": [{}, {"bearer": []}],
+                "parameters": _SPACE_PARAMS,
+                "responses": {
+                    "200": _json("access", {"$ref": "#/components/schemas/Access"}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed"),
+                    "422": _error("the space name is not valid"),
+                },
+            },
+            "post": {
+                "summary": "Mint a key for the space: the key is in this answer only",
+                "security": [{}, {"bearer": []}],
+                "parameters": _SPACE_PARAMS,
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "rate": {
+                                        "type": "number",
+                                        "exclusiveMinimum": 0,
+                                        "description": "requests per second, per worker",
+                                    }
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json("minted", {"$ref": "#/components/schemas/Minted"}),
+                    "202": _json(_FLEET_202, {"$ref": "#/components/schemas/Minted"}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed"),
+                    "409": _error("the space has 8 keys already: revoke one first"),
+                    "422": _error("the space name or the body is not valid, and why"),
+                },
+            },
+        },
+        "/_polyserve/spaces/{owner}/{name}/keys/{key_id}": {
+            "delete": {
+                "summary": "Revoke a key: once this answers 200, no worker takes it",
+                "security": [{}, {"bearer": []}],
+                "parameters": [
+                    *_SPACE_PARAMS,
+                    {
+                        "name": "key_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string"},
+                    },
+                ],
+                "responses": {
+                    "200": _json("revoked", {"type": "object", "required": ["id", "revoked"]}),
+                    "202": _json(_FLEET_202, {"type": "object", "required": ["id", "revoked"]}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed, or has no such key"),
+                },
+            }
+        },
+        "/_polyserve/spaces/{owner}/{name}/access": {
+            "put": {
+                "summary": "Make a space private (only its keys pass) or public",
+                "security": [{}, {"bearer": []}],
+                "parameters": _SPACE_PARAMS,
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": ["private"],
+                                "properties": {"private": {"type": "boolean"}},
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json("access", {"$ref": "#/components/schemas/Access"}),
+                    "202": _json(_FLEET_202, {"$ref": "#/components/schemas/Access"}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed"),
+                    "422": _error("the space name or the body is not valid, and why"),
+                },
+            }
+        },
         "/_polyserve/": {
             "get": {
                 "summary": "The dashboard: a self-contained page over this API",
@@ -265,7 +358,18 @@ SPEC: dict[str, Any] = {
                             }
                         },
                     },
+                    "401": _error(
+                        "a private space: no `Authorization: Bearer <key>`, or not one of"
+                        " its keys (docs/private-spaces.md); counted nowhere"
+                    ),
                     "404": _error("the space is not deployed"),
+                    "429": {
+                        "description": "the key's rate is spent: retry after Retry-After s",
+                        "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+                        "content": {
+                            "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                        },
+                    },
                     "503": {
                         "description": "in a fleet, a space of another pool that has no live"
                         " host (the demand is recorded, so one is started), or the fleet's"

@@ -25,6 +25,37 @@ SCHEMAS: dict[str, Any] = {
         "required": ["error"],
         "properties": {"error": {"type": "string"}},
     },
+    "Access": {
+        "type": "object",
+        "required": ["space", "private", "keys"],
+        "properties": {
+            "space": {"type": "string"},
+            "private": {"type": "boolean"},
+            "keys": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["id"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "rate": {"type": ["number", "null"]},
+                        "created": {"type": "number"},
+                    },
+                },
+            },
+        },
+    },
+    "Minted": {
+        "type": "object",
+        "required": ["space", "id", "key"],
+        "properties": {
+            "space": {"type": "string"},
+            "id": {"type": "string"},
+            "key": {"type": "string", "description": "shown this once: only its digest is kept"},
+            "rate": {"type": ["number", "null"]},
+            "private": {"type": "boolean"},
+        },
+    },
     "Deployed": {
         "type": "object",
         "required": [

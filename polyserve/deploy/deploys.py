@@ -18,6 +18,7 @@ import anyio
 import anyio.to_thread
 
 from polyserve.deploy import deps, requirements
+from polyserve.deploy.keys import Keys
 from polyserve.deploy.validate import validate
 from polyserve.errors import ClientError
 from polyserve.names import parse_space
@@ -58,6 +59,7 @@ class Deploys:
         self.fleet = fleet  # with POLYSERVE_DATABASE_URL: the fleet's database decides
         self.floor = floor  # a worker's memory holding no space, once its registry knows
         self.forkserver = forkserver  # the master's fork server's socket name, if it runs one
+        self.keys = Keys(self.changes, host_limiter, fleet)  # who may call a space
 
     async def deploy(
         self, space: str, upload: BinaryIO, filename: str

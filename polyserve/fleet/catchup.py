@@ -11,6 +11,7 @@ fleet whose database went back in time is followed from its pointers again.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import assert_never
@@ -24,6 +25,8 @@ from polyserve.fleet.db import FleetDB
 from polyserve.fleet.fetch import download
 from polyserve.fleet.uploads import Stored
 from polyserve.settings import Settings
+from polyserve.state import access
+from polyserve.state.access import Access
 from polyserve.state.apply import Changes
 from polyserve.state.store import Staged, write_atomic
 
@@ -136,6 +139,10 @@ class CatchUp:
             self.changes.delete(change.space)
         elif change.kind == "release":
             self.changes.release(change.space)
+        elif change.kind == "access":
+            found = self.db.access_of(change.space)
+            if found is not None:  # a space not deployed here has nothing to apply it to
+                self.changes.access(change.space, _replaced(found))
         else:
             assert_never(change.kind)
 
@@ -212,16 +219,32 @@ class CatchUp:
                 if slot is not None:
                     self.changes.moved(space, slot)
             store.slots.sync()
+        self._take_accesses()
         log.info("took the fleet's pointers for %d spaces, up to change %d", len(pointers), last_id)
         for change, error in unfit:
             self._skip(change, error)
         self._unskip(set(pointers) - {change.space for change, _ in unfit})
         self._applied(last_id, last.token if last is not None else None)
 
+    def _take_accesses(self) -> None:
+        """Make every deployed space's access the fleet's (after its pointers, each
+        under the store lock of its own)."""
+        fleet = self.db.accesses()
+        for space in set(fleet) | set(access.listed(self.store.root)):
+            wanted = fleet.get(space, Access())
+            local = access.read(self.store.root, space) or Access()
+            if local.to_json(local=False) != wanted.to_json(local=False):
+                self.changes.access(space, _replaced(wanted))
+
     def _applied(self, change_id: int, token: str | None) -> None:
         self.applied, self.token = change_id, token
         mark = f"{change_id} {token}" if token else str(change_id)
         write_atomic(self.store.root / APPLIED, mark.encode())
+
+
+def _replaced(wanted: Access) -> Callable[[Access], Access]:
+    """An edit that makes a space's access the fleet's, whatever it was here."""
+    return lambda _before: Access(wanted.private, [dict(k) for k in wanted.keys])
 
 
 def read_applied(path: Path) -> int:

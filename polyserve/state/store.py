@@ -26,6 +26,7 @@ from typing import BinaryIO
 
 from polyserve.errors import ClientError, disk_full_is_507
 from polyserve.names import DEFAULT_POOL
+from polyserve.state import access
 from polyserve.state.files import symlink_atomic, write_atomic
 from polyserve.state.history import Event, History, rollback_target
 from polyserve.state.layout import Layout, current_number, read_int
@@ -218,6 +219,7 @@ class Store(Layout):
         except FileNotFoundError:
             return None
         self.history.record(space, "delete", None, previous)
+        access.drop(self.root, space)  # a space deployed again under the name starts public
         return self.slots.slot(space)
 
     def _drop_files(self, space: str, number: int) -> None:
