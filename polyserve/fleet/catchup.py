@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 from pathlib import Path
-from typing import assert_never
+from typing import Any, assert_never
 
 import psycopg
 
@@ -136,8 +136,16 @@ class CatchUp:
             self.changes.delete(change.space)
         elif change.kind == "release":
             self.changes.release(change.space)
+        elif change.kind == "secrets":
+            self._secrets(change.space)
         else:
             assert_never(change.kind)
+
+    def _secrets(self, space: str) -> None:
+        """The space's secrets as the fleet stores them, into its file here; the space is
+        released, so every worker's next request imports it with them."""
+        found = self.db.secrets(space).get(space, {})
+        self.changes.secrets(space, partial(self.store.secrets.write, space, found))
 
     def _deploy(self, space: str, number: int) -> None:
         # Another pool's version comes without its bytes: this host only points at it
@@ -146,6 +154,12 @@ class CatchUp:
         stored = self.db.fetch(space, number, self.settings.pool)
         if stored is None:
             return  # gone from the fleet store: a later change supersedes it
+        # Its secrets first, so that the loads this deploy causes read them: this host
+        # may have dropped them (a change it skipped deletes the space here).
+        found = self.db.secrets(space).get(space, {})
+        if self.store.secrets.read(space) != found:
+            with self.store.locked():
+                self.store.secrets.write(space, found)
         cap = self.settings.max_unpacked_mb << 20
         while True:
             staged = None
@@ -177,6 +191,7 @@ class CatchUp:
         on first use. Going back, the spaces the fleet no longer knows are deleted, and
         local files are kept only where their sha256 is the fleet's."""
         last, pointers = self.db.pointers()
+        every = self.db.secrets()  # read after the pointers: no older than they are
         last_id = last.id if last is not None else 0
         store = self.store
         unfit: list[tuple[Change, str]] = []
@@ -202,12 +217,29 @@ class CatchUp:
                     unfit.append((Change(last_id, space, "deploy", version), exc.error))
                 if slot is not None:
                     self.changes.moved(space, slot)
+            self._take_secrets(pointers, every)
             store.slots.sync()
         log.info("took the fleet's pointers for %d spaces, up to change %d", len(pointers), last_id)
         for change, error in unfit:
             self._skip(change, error)
         self._unskip(set(pointers) - {change.space for change, _ in unfit})
         self._applied(last_id, last.token if last is not None else None)
+
+    def _take_secrets(
+        self,
+        pointers: dict[str, tuple[int, dict[str, Any]] | None],
+        every: dict[str, dict[str, dict[str, Any]]],
+    ) -> None:
+        """Under the store lock, each deployed space's secrets as the fleet has them; a
+        space whose secrets changed is released (a deleted one lost them with it)."""
+        for space, pointer in pointers.items():
+            found = every.get(space, {})
+            if pointer is None or self.store.secrets.read(space) == found:
+                continue
+            self.store.secrets.write(space, found)
+            slot = self.store.slots.slot(space)
+            if slot is not None:
+                self.changes.broadcast.release(slot)
 
     def _applied(self, change_id: int, token: str | None) -> None:
         self.applied, self.token = change_id, token

@@ -1,4 +1,7 @@
-"""The fleet's change log: commit a deploy, a rollback, a delete or a release; read changes back."""
+"""The fleet's change log: commit a deploy, a rollback, a delete or a release; read changes back.
+
+A secret's change is committed by polyserve.fleet.secrets, through `log_change`.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from polyserve.state.history import rollback_target, version_summary
 
 # What a change does, as the change log's CHECK constraint says (a rollback is a deploy
 # of an older number).
-ChangeKind = Literal["deploy", "delete", "release"]
+ChangeKind = Literal["deploy", "delete", "release", "secrets"]
 
 
 @dataclass(frozen=True)
@@ -146,14 +149,17 @@ class ChangeLog(Connection):
         return current, versions, history[-limit:]
 
     def delete(self, space: str) -> Change | None:
-        """Undeploy everywhere; None when the space is not deployed."""
+        """Undeploy everywhere, its secrets with it; None when the space is not deployed."""
         with self._changing() as conn:
             row = conn.execute(
                 "UPDATE polyserve_spaces SET current_version = NULL"
                 " WHERE name = %s AND current_version IS NOT NULL RETURNING name",
                 (space,),
             ).fetchone()
-            return None if row is None else _log(conn, space, "delete", None)
+            if row is None:
+                return None
+            conn.execute("DELETE FROM polyserve_secrets WHERE space = %s", (space,))
+            return _log(conn, space, "delete", None)
 
     def release(self, space: str) -> Change | None:
         """Release everywhere (each host's workers import it afresh); None when the
@@ -258,3 +264,6 @@ def _log(conn: psycopg.Connection, space: str, kind: ChangeKind, version: int | 
     # Delivered at commit, to every host listening then; the others poll.
     conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, json.dumps(change.id)))
     return change
+
+
+log_change = _log  # for the kinds committed by modules of their own (fleet/secrets.py)
