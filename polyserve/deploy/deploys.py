@@ -77,7 +77,7 @@ class Deploys:
                 s.import_memory_mb,
                 env=scrubbed_environ(),
                 # Its own secrets (not in its environment), as a worker's load reads them.
-                secrets=await self._run(self.store.secrets.values, space),
+                secrets=await self._secret_values(space),
                 deps=installed.site if installed is not None else None,
                 forkserver=self.forkserver,
                 namespaces=s.validate_namespaces,
@@ -103,6 +103,14 @@ class Deploys:
             return 200, body
         status, body["hosts"] = await self.fleet.applied(change)
         return status, body
+
+    async def _secret_values(self, space: str) -> dict[str, str]:
+        """The space's secrets for its validation: in a fleet, the database's (this host
+        keeps a file only for its own pool's spaces)."""
+        if self.fleet is None:
+            return await self._run(self.store.secrets.values, space)
+        found = await self.fleet.run(self.fleet.db.secrets, space)
+        return {name: str(entry["value"]) for name, entry in found.get(space, {}).items()}
 
     def _fits(self, entry: str, need: int) -> None:
         """Refuse a version whose load alone would take a worker past its memory cap: it

@@ -23,6 +23,7 @@ from polyserve.fleet.connection import Unreachable
 from polyserve.fleet.db import FleetDB
 from polyserve.fleet.fetch import download
 from polyserve.fleet.uploads import Stored
+from polyserve.names import DEFAULT_POOL
 from polyserve.settings import Settings
 from polyserve.state.apply import Changes
 from polyserve.state.store import Staged, write_atomic
@@ -144,8 +145,17 @@ class CatchUp:
     def _secrets(self, space: str) -> None:
         """The space's secrets as the fleet stores them, into its file here; the space is
         released, so every worker's next request imports it with them."""
-        found = self.db.secrets(space).get(space, {})
+        current = self.store.current(space)
+        found = self._ours(space, current.pool if current is not None else None)
         self.changes.secrets(space, partial(self.store.secrets.write, space, found))
+
+    def _ours(self, space: str, pool: str | None) -> dict[str, dict[str, Any]]:
+        """The space's secrets from the fleet when its version runs in this host's pool;
+        none otherwise: a host keeps no file of the secrets of spaces it never imports,
+        so pools keep owners' secrets apart on disk too (docs/secrets.md)."""
+        if pool != self.settings.pool:
+            return {}
+        return self.db.secrets(space).get(space, {})
 
     def _deploy(self, space: str, number: int) -> None:
         # Another pool's version comes without its bytes: this host only points at it
@@ -156,7 +166,7 @@ class CatchUp:
             return  # gone from the fleet store: a later change supersedes it
         # Its secrets first, so that the loads this deploy causes read them: this host
         # may have dropped them (a change it skipped deletes the space here).
-        found = self.db.secrets(space).get(space, {})
+        found = self._ours(space, str(stored.meta.get("pool", DEFAULT_POOL)))
         if self.store.secrets.read(space) != found:
             with self.store.locked():
                 self.store.secrets.write(space, found)
@@ -230,11 +240,15 @@ class CatchUp:
         pointers: dict[str, tuple[int, dict[str, Any]] | None],
         every: dict[str, dict[str, dict[str, Any]]],
     ) -> None:
-        """Under the store lock, each deployed space's secrets as the fleet has them; a
-        space whose secrets changed is released (a deleted one lost them with it)."""
+        """Under the store lock, each deployed space's secrets as the fleet has them (for
+        this host's pool's spaces); a space whose secrets changed is released (a deleted
+        one lost them with it)."""
         for space, pointer in pointers.items():
-            found = every.get(space, {})
-            if pointer is None or self.store.secrets.read(space) == found:
+            if pointer is None:
+                continue
+            ours = pointer[1].get("pool", DEFAULT_POOL) == self.settings.pool
+            found = every.get(space, {}) if ours else {}
+            if self.store.secrets.read(space) == found:
                 continue
             self.store.secrets.write(space, found)
             slot = self.store.slots.slot(space)

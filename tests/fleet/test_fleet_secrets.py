@@ -14,7 +14,7 @@ from polyserve.fleet.catchup import EAGER_LIMIT
 
 # _client: test_fleet's module-wide HTTP client, which its helpers use (an autouse fixture)
 from tests.fleet.test_fleet import FAST, _client, start_fleet, wait_live  # noqa: F401
-from tests.helpers import HostProcess, until
+from tests.helpers import HostProcess, make_tar, until
 
 pytestmark = pytest.mark.postgres
 
@@ -103,3 +103,43 @@ def test_deleting_a_space_drops_its_secrets_in_the_fleet(host_factory, fleet_db)
     assert not (b.data_dir / "secrets" / "fs" / "gone.json").exists()
     assert b.deploy("fs/gone", READER).status_code == 200
     assert read(a, "fs/gone") == (None, None)
+
+
+CHECKED = """
+import hashlib
+import polyserve.secrets
+
+value = polyserve.secrets.get("API_KEY")
+if value is None or hashlib.sha256(value.encode()).hexdigest() != {digest!r}:
+    raise RuntimeError("the import did not read its secret")
+
+def handle(request):
+    return {{"import": {digest!r}, "request": None}}
+"""
+
+
+def test_only_the_hosts_of_the_spaces_pool_keep_its_secrets(host_factory, fleet_db):
+    """A cpu host applies the change but keeps no file of a gpu space's secrets; it still
+    validates a deploy of that space with them (read from the fleet)."""
+    a, g = (
+        host_factory(
+            n, workers=1, POLYSERVE_DATABASE_URL=fleet_db, POLYSERVE_HOST_ID=n,
+            POLYSERVE_POOL=pool, **FAST,
+        )
+        for n, pool in (("a", "cpu"), ("g", "gpu"))
+    )  # fmt: skip
+    wait_live(a, {"a", "g"})
+    manifest = {"polyserve.toml": 'pool = "gpu"\n'}
+    assert (
+        a.deploy("fs/pooled", make_tar({**manifest, "main.py": READER}), "s.tar").status_code == 200
+    )
+    r = httpx.put(secret_url(a, "fs/pooled", "API_KEY"), content=VALUE, timeout=60)
+    assert r.status_code == 200 and r.json()["hosts"] == {"applied": 2, "live": 2}, r.text
+    assert read(g, "fs/pooled") == (digest(VALUE), digest(VALUE))
+    assert (g.data_dir / "secrets" / "fs" / "pooled.json").exists()
+    assert not (a.data_dir / "secrets" / "fs" / "pooled.json").exists()
+    checked = make_tar({**manifest, "main.py": CHECKED.format(digest=digest(VALUE))})
+    r = a.deploy("fs/pooled", checked, "s.tar")  # validated on a, a cpu host
+    assert r.status_code == 200, r.text
+    assert not (a.data_dir / "secrets" / "fs" / "pooled.json").exists()
+    assert (g.data_dir / "secrets" / "fs" / "pooled.json").exists()
