@@ -183,7 +183,7 @@ def secret_set(
         "PUT",
         space_path(space, "secrets", name),
         body=data,
-        content_type="application/octet-stream",
+        content_type="text/plain; charset=utf-8",
     )
     click.echo(f"set secret {name} of {space} ({plural(len(data), 'byte')}){_hosts(body)}")
     _lagging(status, body)

@@ -209,10 +209,8 @@ SPEC: dict[str, Any] = {
                 "requestBody": {
                     "required": True,
                     "content": {
-                        "application/octet-stream": {
-                            "schema": {"type": "string", "format": "binary", "maxLength": 65536}
-                        },
-                        "text/plain": {"schema": {"type": "string", "maxLength": 65536}},
+                        # 64 KiB of UTF-8: at most 4 bytes a character
+                        "text/plain": {"schema": {"type": "string", "maxLength": 16384}},
                     },
                 },
                 "responses": {
@@ -221,8 +219,9 @@ SPEC: dict[str, Any] = {
                     "400": _error("the secret's name is not valid, or its value is not UTF-8"),
                     **_WRITE_ERRORS,
                     "404": _error("the space is not deployed"),
+                    "409": _error("the space has 100 secrets already: unset one first"),
                     "413": _error("the value is larger than 64 KiB"),
-                    "422": _error("the space name is not valid, or the space has 100 secrets"),
+                    "422": _error("the space name is not valid"),
                 },
             },
             "delete": {

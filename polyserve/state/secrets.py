@@ -101,7 +101,7 @@ class SecretFiles:
             return
         if len(secrets) > MAX_SECRETS:
             raise ClientError(
-                422, f"a space has at most {MAX_SECRETS} secrets: unset one first", space=space
+                409, f"a space has at most {MAX_SECRETS} secrets: unset one first", space=space
             )
         for directory in (self.root, path.parent):
             directory.mkdir(mode=0o700, exist_ok=True)
