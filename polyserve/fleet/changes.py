@@ -130,9 +130,11 @@ class ChangeLog(Connection):
                 "SELECT number, meta FROM polyserve_versions WHERE space = %s ORDER BY number",
                 (space,),
             ).fetchall()
+            # A host's history tells what each version served: a change of the space's
+            # secrets moves no version, and is not in it there either.
             changes = conn.execute(
                 "SELECT kind, version, extract(epoch FROM at)::float8 FROM polyserve_changes"
-                " WHERE space = %s ORDER BY id",
+                " WHERE space = %s AND kind <> 'secrets' ORDER BY id",
                 (space,),
             ).fetchall()
         versions = [version_summary(meta, number, current) for number, meta in stored]

@@ -66,6 +66,8 @@ def test_a_secret_set_on_one_host_is_served_by_the_others(host_factory, fleet_db
         changes = conn.execute("SELECT kind, space, version FROM polyserve_changes").fetchall()
         assert ("secrets", "fs/reader", 1) in changes
         assert VALUE not in repr(changes)
+    history = a.get("/_polyserve/spaces/fs/reader/versions").json()["history"]
+    assert [e["event"] for e in history] == ["deploy"]  # as a single host's: no version moved
     for host in (a, b):
         assert VALUE not in host.get("/_polyserve/spaces/fs/reader/versions").text
         assert VALUE not in host.get("/_polyserve/usage?scope=fleet").text
