@@ -31,6 +31,7 @@ for command in (
     writes.rollback,
     writes.release,
     writes.delete,
+    writes.secret,
     reads.list_spaces,
     reads.usage,
     reads.history,

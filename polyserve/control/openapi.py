@@ -11,6 +11,7 @@ from typing import Any, get_args
 from polyserve import __version__
 from polyserve.control.schemas import SCHEMAS
 from polyserve.names import PART
+from polyserve.state.secrets import NAME as SECRET_NAME
 from polyserve.usage.answer import Only
 
 NAME_PART = f"^{PART}$"
@@ -37,6 +38,12 @@ _SPACE_PARAMS = [
     }
     for part in ("owner", "name")
 ]
+_SECRET_PARAM = {
+    "name": "secret",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": f"^{SECRET_NAME.pattern}$"},
+}
 _WRITE_ERRORS = {
     "401": _error("a token is required, or the one sent is not valid"),
     "403": _error("this client or token may not write this space"),
@@ -175,6 +182,61 @@ SPEC: dict[str, Any] = {
                     "422": _error("the space name or the body is not valid, and why"),
                 },
             }
+        },
+        "/_polyserve/spaces/{owner}/{name}/secrets": {
+            "get": {
+                "summary": "A space's secrets: each name and when it was set, never a value",
+                "description": "Reading them takes the right to deploy the space"
+                " (docs/secrets.md).",
+                "security": [{}, {"bearer": []}],
+                "parameters": _SPACE_PARAMS,
+                "responses": {
+                    "200": _json("names", {"$ref": "#/components/schemas/Secrets"}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed"),
+                    "422": _error("the space name is not valid"),
+                },
+            }
+        },
+        "/_polyserve/spaces/{owner}/{name}/secrets/{secret}": {
+            "put": {
+                "summary": "Set a secret of a space (the body is its value); the space reloads",
+                "description": "The space reads it with polyserve.secrets.get(NAME) from its"
+                " next load on: once this answers 200, every worker (every live host) serves"
+                " it with the new value. The answer never holds the value.",
+                "security": [{}, {"bearer": []}],
+                "parameters": [*_SPACE_PARAMS, _SECRET_PARAM],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        # 64 KiB of UTF-8: at most 4 bytes a character
+                        "text/plain": {"schema": {"type": "string", "maxLength": 16384}},
+                    },
+                },
+                "responses": {
+                    "200": _json("set", {"$ref": "#/components/schemas/SecretChanged"}),
+                    "202": _json(_FLEET_202, {"$ref": "#/components/schemas/SecretChanged"}),
+                    "400": _error("the secret's name is not valid, or its value is not UTF-8"),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed"),
+                    "409": _error("the space has 100 secrets already: unset one first"),
+                    "413": _error("the value is larger than 64 KiB"),
+                    "422": _error("the space name is not valid"),
+                },
+            },
+            "delete": {
+                "summary": "Unset a secret of a space; the space reloads",
+                "security": [{}, {"bearer": []}],
+                "parameters": [*_SPACE_PARAMS, _SECRET_PARAM],
+                "responses": {
+                    "200": _json("unset", {"$ref": "#/components/schemas/SecretChanged"}),
+                    "202": _json(_FLEET_202, {"$ref": "#/components/schemas/SecretChanged"}),
+                    "400": _error("the secret's name is not valid"),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed, or has no secret by that name"),
+                    "422": _error("the space name is not valid"),
+                },
+            },
         },
         "/_polyserve/spaces/{owner}/{name}/logs": {
             "get": {

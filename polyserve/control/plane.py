@@ -30,6 +30,7 @@ from polyserve.deploy.deploys import rollback_request
 from polyserve.errors import ClientError
 from polyserve.host import Host
 from polyserve.state import access
+from polyserve.state import secrets as secret_files
 from polyserve.state.shm import H_FOLLOWED
 from polyserve.usage import prometheus
 from polyserve.usage.answer import Only
@@ -76,6 +77,12 @@ class ControlPlane:
                 methods=["DELETE"],
             ),
             Route("/_polyserve/spaces/{owner}/{name}/access", self.access, methods=["PUT"]),
+            Route("/_polyserve/spaces/{owner}/{name}/secrets", self.secrets, methods=["GET"]),
+            Route(
+                "/_polyserve/spaces/{owner}/{name}/secrets/{secret}",
+                self.secret,
+                methods=["PUT", "DELETE"],
+            ),
             Route("/_polyserve/", self.dashboard, methods=["GET"]),
             Route("/_polyserve/usage", self.usage, methods=["GET"]),
             Route("/_polyserve/health", self.health, methods=["GET"]),
@@ -186,6 +193,31 @@ class ControlPlane:
         space = self._space_to_write(request)
         private = access.parse_private(await _small_body(request, '{"private": true|false}'))
         status, body = await self.running.deploys.keys.set_private(space, private)
+        return JSONResponse(body, status_code=status)
+
+    async def secrets(self, request: Request) -> Response:
+        """A space's secrets: names and when each was set, never a value."""
+        space = self._space_to_write(request)
+        return JSONResponse(await self.running.deploys.secret_names(space))
+
+    async def secret(self, request: Request) -> Response:
+        """PUT: the body is the value (UTF-8, up to 64 KiB); DELETE: unset it. Either
+        reloads the space; the answer never holds the value."""
+        space = self._space_to_write(request)  # before the body is read
+        name = secret_files.check_name(request.path_params["secret"])
+        deploys = self.running.deploys
+        if request.method == "DELETE":
+            status, body = await deploys.unset_secret(space, name)
+            return JSONResponse(body, status_code=status)
+        limit = secret_files.MAX_VALUE
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise secret_files.too_large(int(length))
+        try:
+            value = await Request(request.scope, _limited(request.receive, limit)).body()
+        except _TooLarge:
+            raise secret_files.too_large(None) from None
+        status, body = await deploys.set_secret(space, name, secret_files.check_value(value))
         return JSONResponse(body, status_code=status)
 
     async def dashboard(self, request: Request) -> Response:

@@ -163,6 +163,39 @@ SCHEMAS: dict[str, Any] = {
             },
         },
     },
+    "Secrets": {
+        "type": "object",
+        "required": ["space", "secrets"],
+        "properties": {
+            "space": {"type": "string"},
+            "secrets": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["name", "updated_at"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "updated_at": {"type": "number", "description": "Unix seconds"},
+                    },
+                },
+            },
+        },
+    },
+    "SecretChanged": {
+        "type": "object",
+        "required": ["space", "secret"],
+        "properties": {
+            "space": {"type": "string"},
+            "secret": {"type": "string", "description": "its name (never its value)"},
+            "set": {"type": "boolean"},
+            "unset": {"type": "boolean"},
+            "workers_signalled": {"type": "integer"},
+            "hosts": {
+                "type": "object",
+                "description": "in a fleet: applied, live; lagging and skipped (a 202)",
+            },
+        },
+    },
     "Logs": {
         "type": "object",
         "required": ["records", "next"],

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import assert_never
+from typing import Any, assert_never
 
 import psycopg
 
@@ -24,6 +24,7 @@ from polyserve.fleet.connection import Unreachable
 from polyserve.fleet.db import FleetDB
 from polyserve.fleet.fetch import download
 from polyserve.fleet.uploads import Stored
+from polyserve.names import DEFAULT_POOL
 from polyserve.settings import Settings
 from polyserve.state import access
 from polyserve.state.access import Access
@@ -143,8 +144,25 @@ class CatchUp:
             found = self.db.access_of(change.space)
             if found is not None:  # a space not deployed here has nothing to apply it to
                 self.changes.access(change.space, _replaced(found))
+        elif change.kind == "secrets":
+            self._secrets(change.space)
         else:
             assert_never(change.kind)
+
+    def _secrets(self, space: str) -> None:
+        """The space's secrets as the fleet stores them, into its file here; the space is
+        released, so every worker's next request imports it with them."""
+        current = self.store.current(space)
+        found = self._ours(space, current.pool if current is not None else None)
+        self.changes.secrets(space, partial(self.store.secrets.write, space, found))
+
+    def _ours(self, space: str, pool: str | None) -> dict[str, dict[str, Any]]:
+        """The space's secrets from the fleet when its version runs in this host's pool;
+        none otherwise: a host keeps no file of the secrets of spaces it never imports,
+        so pools keep owners' secrets apart on disk too (docs/secrets.md)."""
+        if pool != self.settings.pool:
+            return {}
+        return self.db.secrets(space).get(space, {})
 
     def _deploy(self, space: str, number: int) -> None:
         # Another pool's version comes without its bytes: this host only points at it
@@ -153,6 +171,12 @@ class CatchUp:
         stored = self.db.fetch(space, number, self.settings.pool)
         if stored is None:
             return  # gone from the fleet store: a later change supersedes it
+        # Its secrets first, so that the loads this deploy causes read them: this host
+        # may have dropped them (a change it skipped deletes the space here).
+        found = self._ours(space, str(stored.meta.get("pool", DEFAULT_POOL)))
+        if self.store.secrets.read(space) != found:
+            with self.store.locked():
+                self.store.secrets.write(space, found)
         cap = self.settings.max_unpacked_mb << 20
         while True:
             staged = None
@@ -193,6 +217,7 @@ class CatchUp:
         on first use. Going back, the spaces the fleet no longer knows are deleted, and
         local files are kept only where their sha256 is the fleet's."""
         last, pointers = self.db.pointers()
+        every = self.db.secrets()  # read after the pointers: no older than they are
         last_id = last.id if last is not None else 0
         store = self.store
         unfit: list[tuple[Change, str]] = []
@@ -218,6 +243,7 @@ class CatchUp:
                     unfit.append((Change(last_id, space, "deploy", version), exc.error))
                 if slot is not None:
                     self.changes.moved(space, slot)
+            self._take_secrets(pointers, every)
             store.slots.sync()
         self._take_accesses()
         log.info("took the fleet's pointers for %d spaces, up to change %d", len(pointers), last_id)
@@ -235,6 +261,26 @@ class CatchUp:
             local = access.read(self.store.root, space) or Access()
             if local.to_json(local=False) != wanted.to_json(local=False):
                 self.changes.access(space, _replaced(wanted))
+
+    def _take_secrets(
+        self,
+        pointers: dict[str, tuple[int, dict[str, Any]] | None],
+        every: dict[str, dict[str, dict[str, Any]]],
+    ) -> None:
+        """Under the store lock, each deployed space's secrets as the fleet has them (for
+        this host's pool's spaces); a space whose secrets changed is released (a deleted
+        one lost them with it)."""
+        for space, pointer in pointers.items():
+            if pointer is None:
+                continue
+            ours = pointer[1].get("pool", DEFAULT_POOL) == self.settings.pool
+            found = every.get(space, {}) if ours else {}
+            if self.store.secrets.read(space) == found:
+                continue
+            self.store.secrets.write(space, found)
+            slot = self.store.slots.slot(space)
+            if slot is not None:
+                self.changes.broadcast.release(slot)
 
     def _applied(self, change_id: int, token: str | None) -> None:
         self.applied, self.token = change_id, token

@@ -1,4 +1,7 @@
-"""The fleet's change log: commit deploys, rollbacks, deletes, releases, access; read them back."""
+"""The fleet's change log: commit deploys, rollbacks, deletes, releases, access; read them back.
+
+A secret's change is committed by polyserve.fleet.secrets, through `log_change`.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from polyserve.state.history import rollback_target, version_summary
 
 # What a change does, as the change log's CHECK constraint says (a rollback is a deploy
 # of an older number).
-ChangeKind = Literal["deploy", "delete", "release", "access"]
+ChangeKind = Literal["deploy", "delete", "release", "access", "secrets"]
 
 
 @dataclass(frozen=True)
@@ -128,10 +131,12 @@ class ChangeLog(Connection):
                 "SELECT number, meta FROM polyserve_versions WHERE space = %s ORDER BY number",
                 (space,),
             ).fetchall()
+            # A host's history tells what each version served: a change of the space's
+            # secrets moves no version, and is not in it there either.
             changes = conn.execute(
                 "SELECT kind, version, extract(epoch FROM at)::float8 FROM polyserve_changes"
-                # An access change moves no version: not an event of the history.
-                " WHERE space = %s AND kind <> 'access' ORDER BY id",
+                # Access and secrets changes move no version: not events of the history.
+                " WHERE space = %s AND kind NOT IN ('access', 'secrets') ORDER BY id",
                 (space,),
             ).fetchall()
         versions = [version_summary(meta, number, current) for number, meta in stored]
@@ -148,7 +153,7 @@ class ChangeLog(Connection):
         return current, versions, history[-limit:]
 
     def delete(self, space: str) -> Change | None:
-        """Undeploy everywhere; None when the space is not deployed."""
+        """Undeploy everywhere, its secrets with it; None when the space is not deployed."""
         with self._changing() as conn:
             row = conn.execute(
                 "UPDATE polyserve_spaces SET current_version = NULL"
@@ -159,6 +164,7 @@ class ChangeLog(Connection):
                 return None
             # A space deployed again under the name starts public, as on a single host.
             conn.execute("DELETE FROM polyserve_access WHERE space = %s", (space,))
+            conn.execute("DELETE FROM polyserve_secrets WHERE space = %s", (space,))
             return _log(conn, space, "delete", None)
 
     def release(self, space: str) -> Change | None:
@@ -308,3 +314,6 @@ def _log(conn: psycopg.Connection, space: str, kind: ChangeKind, version: int | 
     # Delivered at commit, to every host listening then; the others poll.
     conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, json.dumps(change.id)))
     return change
+
+
+log_change = _log  # for the kinds committed by modules of their own (fleet/secrets.py)

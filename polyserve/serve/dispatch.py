@@ -137,6 +137,8 @@ class Dispatch:
 
         if imported.kind == "app":
             scope["state"] = imported.state.copy()  # lifespan state, shallow-copied per ASGI
+        if imported.secrets:  # the space's own, read at its load (docs/secrets.md)
+            scope["polyserve.secrets"] = imported.secrets
         if imported.kind != "model" and "polyserve.route" in scope:
             # An infer at the host's root (polyserve/serve/inference.py) for a space that is
             # not a model: its own app never sees the protocol's path. Not billed.

@@ -105,6 +105,21 @@ class Changes:
             self.broadcast.bump_access(slot)
         return after
 
+    def secrets(self, space: str, write: Callable[[], None]) -> bool:
+        """Change a deployed space's secrets: under the store lock `write` writes its
+        file, then the space is released, so every worker's next request imports it
+        afresh with the new values (a load reads the file once). False when the space is
+        not deployed (nothing written). Announce after it, as after a release."""
+        with self.store.locked():
+            slot = self.store.slots.slot(space)
+            if slot is None or self.store.current(space) is None:
+                return False
+            write()
+            # Not recorded in the history: it tells what each version served, and a
+            # secret's change moves no version.
+            self.broadcast.release(slot)
+        return True
+
     def announce(self) -> int:
         """After changes: signal the other workers, and refresh this one. Returns how
         many were signalled."""

@@ -11,6 +11,7 @@ Layout under POLYSERVE_DATA_DIR::
     spaces/<owner>/<name>/versions/<n>.json   its metadata
     spaces/<owner>/<name>/history.jsonl       what happened (polyserve.state.history)
     logs/<owner>/<name>/            the space's recent log records (polyserve.logs.logstore)
+    secrets/<owner>/<name>.json     the space's secrets, mode 0600 (polyserve.state.secrets)
 
 Published version directories are never written again; only ``current`` moves
 (polyserve.state.store writes, under the lock).
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from polyserve.names import DEFAULT_POOL
 from polyserve.state.history import version_summary
+from polyserve.state.secrets import SecretFiles
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Layout:
         self.spaces_dir = self.root / "spaces"
         self.staging_dir = self.root / "staging"
         self.logs_dir = self.root / "logs"
+        self.secrets = SecretFiles(self.root / "secrets")  # outside every version
 
     def space_dir(self, space: str) -> Path:
         return self.spaces_dir / space

@@ -207,12 +207,14 @@ class Store(Layout):
         return slot, number, current.number, target
 
     def delete(self, space: str) -> int | None:
-        """Undeploy: drop `current` and the space's logs; prune() removes the versions
-        once nobody uses them. Hold locked(); returns the slot, or None when the space is
-        not deployed."""
+        """Undeploy: drop `current`, the space's logs and its secrets; prune() removes
+        the versions once nobody uses them. Hold locked(); returns the slot, or None when
+        the space is not deployed."""
         # Its logs go at once: a redeployed space starts a new log (records its draining
         # requests write meanwhile are dropped: see LogStore.open).
         shutil.rmtree(self.logs_dir / space, ignore_errors=True)
+        # A space deployed again under this name later starts without them.
+        self.secrets.drop(space)
         previous = current_number(self.space_dir(space))
         try:
             os.unlink(self.space_dir(space) / "current")
