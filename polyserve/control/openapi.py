@@ -11,6 +11,7 @@ from typing import Any, get_args
 from polyserve import __version__
 from polyserve.control.schemas import SCHEMAS
 from polyserve.names import PART
+from polyserve.state.access import MAX_RATE
 from polyserve.state.secrets import NAME as SECRET_NAME
 from polyserve.usage.answer import Only
 
@@ -289,7 +290,9 @@ SPEC: dict[str, Any] = {
                                 "properties": {
                                     "rate": {
                                         "type": "number",
-                                        "exclusiveMinimum": 0,
+                                        "minimum": 0,
+                                        "exclusiveMinimum": True,
+                                        "maximum": MAX_RATE,
                                         "description": "requests per second, per worker",
                                     }
                                 },
