@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 import tomllib
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -32,6 +33,7 @@ import numpy as np
 
 from polyserve.logs import spacelog
 from polyserve.serve.placement import Placement
+from polyserve.usage.histogram import queue_bucket, row_bucket
 
 MANIFEST = "polyserve.toml"
 MAX_ROWS_LIMIT = 1 << 20  # a bound on the setting itself, so a typo cannot ask for more
@@ -88,13 +90,14 @@ def read_batching(root: Path) -> Batching | None:
 class _Call:
     """One caller's inputs, where its rows go, and the key its batch must share."""
 
-    __slots__ = ("arrays", "future", "key", "rows")
+    __slots__ = ("arrays", "future", "key", "queued_at", "rows")
 
     def __init__(self, arrays: Arrays, rows: int, future: asyncio.Future[Any]) -> None:
         self.arrays = arrays
         self.rows = rows
         self.key = tuple((a.dtype.str, a.shape[1:]) for a in arrays)
         self.future = future
+        self.queued_at = time.monotonic_ns()  # its time in the queue runs from here
 
 
 class Batcher:
@@ -218,8 +221,15 @@ class Batcher:
         self.batches += 1
         tag = spacelog.RUNNING.get()  # the version whose request started this drain
         if tag is not None:
-            tag.batches += 1
-            tag.batch_rows += total
+            counts, now = tag.batched, time.monotonic_ns()
+            counts.batches += 1
+            counts.rows += total
+            counts.sizes[row_bucket(total)] += 1
+            queued = counts.queued
+            for call in batch:
+                waited = now - call.queued_at
+                counts.queue_ns += waited
+                queued[queue_bucket(waited // 1000)] += 1
         try:  # whatever fails here fails this batch's callers, never the drain
             if len(batch) == 1:
                 merged = list(batch[0].arrays)

@@ -36,7 +36,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 MAGIC = 0x70_6F_6C_79_73_72_76  # "polysrv"
-LAYOUT_VERSION = 6  # 6: the duration histogram's cells (polyserve.usage.meter)
+LAYOUT_VERSION = 7  # 7: the batch and first-byte histograms (polyserve.usage.meter)
 HEADER_WORDS = 8
 H_STARTED, H_ALIVE, H_FOLLOWED = 5, 6, 7
 WORKER_WORDS = 2  # pid, in flight

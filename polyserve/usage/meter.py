@@ -23,6 +23,14 @@ Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserv
                      response complete; bounds in polyserve.usage.histogram, not
                      cumulative); their sum is BUSY_US, the same durations. One
                      block per space slot; a version lane would be another block.
+    BATCH_SIZE       histogram.ROW_BUCKETS cells, batches by their rows (powers of
+                     two); their count is BATCHES, their sum BATCH_ROWS.
+    BATCH_QUEUE      histogram.QUEUE_BUCKETS cells, batched calls by their time in
+                     the queue (enqueue to their batch's start)
+    FIRST_BYTE       histogram.BUCKETS cells, streamed answers (more than one body
+                     message) by the time from dispatch to their first body bytes
+    QUEUE_US         one cell, the sum of BATCH_QUEUE's times (µs)
+    FIRST_BYTE_US    one cell, the sum of FIRST_BYTE's times (µs)
 
 A worker writes only its own row, and only from its event-loop thread (sync handlers
 run in the threadpool, but their requests are metered by the dispatcher on the loop),
@@ -47,6 +55,7 @@ from polyserve.state.files import write_atomic
 from polyserve.state.shm import H_ALIVE, H_STARTED, Table
 from polyserve.state.slots import Ledger
 from polyserve.usage import histogram
+from polyserve.usage.histogram import BatchCounts
 
 
 class Cell(IntEnum):
@@ -68,8 +77,14 @@ class Cell(IntEnum):
     RECYCLED = 15
 
 
+# Histogram blocks after the scalar cells, each named by its first cell, then their sums.
 DURATION = len(Cell)  # the first of the duration histogram's cells
-CELLS = DURATION + histogram.BUCKETS
+BATCH_SIZE = DURATION + histogram.BUCKETS  # rows per batch
+BATCH_QUEUE = BATCH_SIZE + histogram.ROW_BUCKETS  # a batched call's time in the queue
+FIRST_BYTE = BATCH_QUEUE + histogram.QUEUE_BUCKETS  # a stream's time to its first bytes
+QUEUE_US = FIRST_BYTE + histogram.BUCKETS
+FIRST_BYTE_US = QUEUE_US + 1
+CELLS = FIRST_BYTE_US + 1
 _BUCKET = histogram.bucket
 # Plain ints for the request path: an IntEnum member lookup costs more than the store.
 _REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
@@ -94,8 +109,13 @@ TOTALS: tuple[int, ...] = (
 BILLED = TOTALS[:6]
 _TOTAL_CELLS = [int(c) for c in TOTALS]
 # As checkpoints name them; the histogram's cells by their bucket's bound.
-TOTAL_NAMES = tuple(c.name.lower() for c in TOTALS if isinstance(c, Cell)) + histogram.names(
-    "duration"
+TOTAL_NAMES = (
+    tuple(c.name.lower() for c in TOTALS if isinstance(c, Cell))
+    + histogram.names("duration")
+    + histogram.names("batch_size", histogram.ROW_BOUNDS, "rows")
+    + histogram.names("batch_queue", histogram.QUEUE_BOUNDS_US)
+    + histogram.names("first_byte")
+    + ("batch_queue_us", "first_byte_us")
 )
 _TOTAL_INDEX = dict(zip(TOTAL_NAMES, _TOTAL_CELLS, strict=True))
 BILLED_NAMES = TOTAL_NAMES[: len(BILLED)]  # as the fleet's ledger names them
@@ -169,11 +189,26 @@ class Meter:
         """The worker let the space go for the reason `cell` (one of RELEASES)."""
         self.words[self._row + slot * CELLS + cell] += 1
 
-    def batched(self, slot: int, batches: int, rows: int) -> None:
-        """The space's batchers ran `batches` runs of `rows` rows in all since the last call."""
+    def batched(self, slot: int, counts: BatchCounts) -> None:
+        """Move what the space's batchers counted since the last call into this row, and
+        zero `counts`."""
         words, base = self.words, self._row + slot * CELLS
-        words[base + Cell.BATCHES] += batches
-        words[base + Cell.BATCH_ROWS] += rows
+        words[base + Cell.BATCHES] += counts.batches
+        words[base + Cell.BATCH_ROWS] += counts.rows
+        words[base + QUEUE_US] += counts.queue_ns // 1000
+        for block, buckets in ((BATCH_SIZE, counts.sizes), (BATCH_QUEUE, counts.queued)):
+            for i, n in enumerate(buckets):
+                if n:
+                    words[base + block + i] += n
+                    buckets[i] = 0
+        counts.batches = counts.rows = counts.queue_ns = 0
+
+    def first_byte(self, slot: int, started: int) -> None:
+        """A streamed answer sent its first body bytes; `started` is begin()'s."""
+        words, base = self.words, self._row + slot * CELLS
+        took = (self._ns() - started) // 1000
+        words[base + FIRST_BYTE_US] += took
+        words[base + FIRST_BYTE + _BUCKET(took)] += 1
 
     def released(self, slot: int) -> None:
         """This worker holds no version of the space any more: fold its residency."""
