@@ -87,23 +87,3 @@ def queue_bucket(us: int) -> int:
 def names(prefix: str, bounds: tuple[int, ...] = BOUNDS_US, unit: str = "us") -> tuple[str, ...]:
     """Checkpoint names of a histogram's bucket cells, by bound."""
     return (*(f"{prefix}_le_{b}{unit}" for b in bounds), f"{prefix}_le_inf")
-
-
-def quantile(counts: list[int], q: float, bounds: tuple[int, ...] = BOUNDS_US) -> float | None:
-    """The q-quantile of the values these bucket counts hold (not cumulative), by linear
-    interpolation inside its bucket, from the bucket's lower bound (0 for the first) to
-    its upper one; None with no values. A quantile in the +Inf bucket is the last bound:
-    the buckets say no more than "past it"."""
-    total = sum(counts)
-    if total <= 0:
-        return None
-    rank = q * total
-    seen = 0
-    for i, n in enumerate(counts):
-        if n > 0 and seen + n >= rank:
-            if i >= len(bounds):
-                return float(bounds[-1])
-            low = bounds[i - 1] if i else 0
-            return low + (bounds[i] - low) * max(rank - seen, 0) / n
-        seen += n
-    return float(bounds[-1])

@@ -277,6 +277,17 @@ def totals(table: Table, now: int, slots: int | None = None) -> np.ndarray:
     return summed
 
 
+def totals_of(table: Table, ledger: Ledger, slots: int, start: int, end: int) -> np.ndarray:
+    """Cells start:end (TOTALS, a histogram's block) of the first `slots` slots, summed
+    over every row, the ledger's offsets applied: a part of what snapshot() reads."""
+    summed = table.cell_array()[:, :slots, start:end].sum(axis=0)
+    first = _TOTAL_CELLS.index(start)
+    for slot, offset in ledger.offsets.items():
+        if slot < slots:
+            summed[slot] += _widen(offset)[first : first + end - start]
+    return summed
+
+
 def _by_name(table: Table, summed: np.ndarray, ledger: Ledger) -> tuple[list[str], np.ndarray]:
     """Names and their (N, C) totals: slot owners (raw totals plus the ledger's offsets),
     then the names whose slots were handed over, with what they used there."""

@@ -64,3 +64,30 @@ def test_time_to_first_byte_counts_the_streams_answered_and_only_them(host):
     durations = histogram(host, "polyserve_space_request_duration_seconds", "l/streams")
     assert durations["count"] == 12
     assert first["sum"] < durations["sum"]
+
+
+SLEEPER = """
+import asyncio
+
+
+async def handle(request):
+    await asyncio.sleep(0.12)
+    return {"slept": 0.12}
+"""
+
+
+def test_usage_has_p50_and_p99_in_the_bucket_of_a_known_sleep(host):
+    """Every request sleeps 120 ms: both quantiles fall in the (100 ms, 250 ms] bucket,
+    whichever worker answers, and a space that answered nothing has none."""
+    assert host.deploy("l/sleeper", SLEEPER).status_code == 200
+    assert host.deploy("l/idle", SLEEPER).status_code == 200
+    for _ in range(12):
+        assert host.get("/s/l/sleeper/").json() == {"slept": 0.12}
+    for _ in range(4):  # a fresh connection each: both workers answer
+        usage = host.get("/_polyserve/usage").json()
+        seen = usage["spaces"]["l/sleeper"]
+        assert 100 < seen["p50_ms"] <= 250 and 100 < seen["p99_ms"] <= 250, seen
+        assert seen["p50_ms"] <= seen["p99_ms"]
+        idle = usage["spaces"]["l/idle"]
+        assert idle["p50_ms"] is None and idle["p99_ms"] is None
+        assert 0 < usage["host"]["latency_window_s"] <= 65

@@ -88,19 +88,6 @@ def test_a_batch_goes_to_the_first_power_of_two_that_holds_its_rows():
         assert histogram.row_bucket(bound) == i
 
 
-def test_a_quantile_interpolates_inside_its_bucket():
-    counts = [0] * histogram.BUCKETS
-    counts[histogram.bucket(30_000)] = 100  # all in (25 ms, 50 ms]
-    assert histogram.quantile(counts, 0.5) == 37_500
-    assert histogram.quantile(counts, 0.99) == 25_000 + 25_000 * 0.99
-    counts[0] = 100  # half at most 0.5 ms now
-    assert histogram.quantile(counts, 0.25) == 250
-    assert histogram.quantile([0] * histogram.BUCKETS, 0.5) is None
-    past = [0] * histogram.BUCKETS
-    past[-1] = 3
-    assert histogram.quantile(past, 0.99) == histogram.BOUNDS_US[-1]  # "past 10 s"
-
-
 def test_batched_counts_and_first_bytes_land_in_their_cells_and_a_checkpoint(tmp_path):
     table, clock = Table.anonymous(2, 2, CELLS), Clock()
     counts = histogram.BatchCounts()
