@@ -29,7 +29,7 @@ from typing import Any, TextIO, cast
 import orjson
 
 from polyserve.logs.logstore import LogStore
-from polyserve.usage.histogram import BatchCounts
+from polyserve.usage.meter import BatchCounts
 
 RUNNING: ContextVar[Tag | None] = ContextVar("polyserve_space", default=None)
 MESSAGE_MAX = 8192  # characters of one record's message; longer ones lose their middle

@@ -33,7 +33,6 @@ import numpy as np
 
 from polyserve.logs import spacelog
 from polyserve.serve.placement import Placement
-from polyserve.usage.histogram import queue_bucket, row_bucket
 
 MANIFEST = "polyserve.toml"
 MAX_ROWS_LIMIT = 1 << 20  # a bound on the setting itself, so a typo cannot ask for more
@@ -220,16 +219,8 @@ class Batcher:
         total = sum(call.rows for call in batch)
         self.batches += 1
         tag = spacelog.RUNNING.get()  # the version whose request started this drain
-        if tag is not None:
-            counts, now = tag.batched, time.monotonic_ns()
-            counts.batches += 1
-            counts.rows += total
-            counts.sizes[row_bucket(total)] += 1
-            queued = counts.queued
-            for call in batch:
-                waited = now - call.queued_at
-                counts.queue_ns += waited
-                queued[queue_bucket(waited // 1000)] += 1
+        if tag is not None:  # the histograms' counts, which dispatch meters
+            tag.batched.ran(total, batch, time.monotonic_ns())
         try:  # whatever fails here fails this batch's callers, never the drain
             if len(batch) == 1:
                 merged = list(batch[0].arrays)

@@ -1,4 +1,4 @@
-"""The usage histograms' fixed buckets, the bucket of a value, and what batchers count."""
+"""The usage histograms' fixed buckets: their bounds and the bucket of a value."""
 
 from __future__ import annotations
 
@@ -51,21 +51,7 @@ QUEUE_BOUNDS_US = (
     1_000_000,
 )
 QUEUE_BUCKETS = len(QUEUE_BOUNDS_US) + 1
-
-
-class BatchCounts:
-    """What one version's batchers ran and have not metered yet: plain ints and lists on
-    the loop, which dispatch moves into the worker's row (Meter.batched) after each
-    request. The batchers run on the loop, so no lock."""
-
-    __slots__ = ("batches", "queue_ns", "queued", "rows", "sizes")
-
-    def __init__(self) -> None:
-        self.batches = 0  # runs made
-        self.rows = 0  # rows those runs computed
-        self.sizes = [0] * ROW_BUCKETS  # runs by rows (row_bucket)
-        self.queued = [0] * QUEUE_BUCKETS  # calls by µs queued (queue_bucket)
-        self.queue_ns = 0  # the calls' time queued, all together
+QUEUE_BOUNDS_NS = tuple(b * 1000 for b in QUEUE_BOUNDS_US)  # the batcher's clock: no division
 
 
 def bucket(us: int) -> int:

@@ -43,11 +43,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -55,7 +56,6 @@ from polyserve.state.files import write_atomic
 from polyserve.state.shm import H_ALIVE, H_STARTED, Table
 from polyserve.state.slots import Ledger
 from polyserve.usage import histogram
-from polyserve.usage.histogram import BatchCounts
 
 
 class Cell(IntEnum):
@@ -88,6 +88,10 @@ CELLS = FIRST_BYTE_US + 1
 _BUCKET = histogram.bucket
 # Plain ints for the request path: an IntEnum member lookup costs more than the store.
 _REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
+_BATCHES, _BATCH_ROWS = int(Cell.BATCHES), int(Cell.BATCH_ROWS)
+_MAX_ROW_BOUND = histogram.ROW_BOUNDS[-1]
+_ROWS_INF = BATCH_SIZE + histogram.ROW_BUCKETS - 1
+_QUEUE_BOUNDS_NS = histogram.QUEUE_BOUNDS_NS
 # Counters that only grow: what a checkpoint saves, a restart restores, and a slot
 # handed over to another space keeps for its old owner (slots.Ledger).
 # The first six are the billing totals, the columns of the fleet's usage ledger (BILLED).
@@ -132,6 +136,39 @@ RELEASES: dict[Reason, Cell] = {
     "memory": Cell.RELEASED_MEMORY,
     "demand": Cell.RELEASED_DEMAND,
 }
+
+
+class Queued(Protocol):
+    queued_at: int  # monotonic ns
+
+
+class BatchCounts(dict[int, int]):
+    """What one version's batchers ran and have not metered yet, which dispatch adds to
+    the worker's row (Meter.batched) after each request: the runs, their rows and their
+    calls' time queued as ints, and the buckets touched as a dict (cell of a slot's
+    block -> count), so that a flush stores only the cells that changed. The batchers
+    run on the loop, so no lock."""
+
+    __slots__ = ("batches", "queue_ns", "rows")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches = self.rows = self.queue_ns = 0
+
+    def ran(self, rows: int, calls: Iterable[Queued], now: int) -> None:
+        """A batch of `rows` rows starts at `now` (monotonic ns) with these calls."""
+        self.batches += 1
+        self.rows += rows
+        get = self.get
+        size = BATCH_SIZE + (rows - 1).bit_length() if 0 < rows <= _MAX_ROW_BOUND else _ROWS_INF
+        self[size] = get(size, 0) + 1
+        waited = 0
+        for call in calls:
+            took = now - call.queued_at
+            waited += took
+            cell = BATCH_QUEUE + bisect_left(_QUEUE_BOUNDS_NS, took)
+            self[cell] = get(cell, 0) + 1
+        self.queue_ns += waited
 
 
 def now_us() -> int:
@@ -193,14 +230,12 @@ class Meter:
         """Move what the space's batchers counted since the last call into this row, and
         zero `counts`."""
         words, base = self.words, self._row + slot * CELLS
-        words[base + Cell.BATCHES] += counts.batches
-        words[base + Cell.BATCH_ROWS] += counts.rows
+        words[base + _BATCHES] += counts.batches
+        words[base + _BATCH_ROWS] += counts.rows
         words[base + QUEUE_US] += counts.queue_ns // 1000
-        for block, buckets in ((BATCH_SIZE, counts.sizes), (BATCH_QUEUE, counts.queued)):
-            for i, n in enumerate(buckets):
-                if n:
-                    words[base + block + i] += n
-                    buckets[i] = 0
+        for cell, n in counts.items():
+            words[base + cell] += n
+        counts.clear()
         counts.batches = counts.rows = counts.queue_ns = 0
 
     def first_byte(self, slot: int, started: int) -> None:

@@ -90,16 +90,18 @@ def test_a_batch_goes_to_the_first_power_of_two_that_holds_its_rows():
 
 def test_batched_counts_and_first_bytes_land_in_their_cells_and_a_checkpoint(tmp_path):
     table, clock = Table.anonymous(2, 2, CELLS), Clock()
-    counts = histogram.BatchCounts()
-    counts.batches, counts.rows, counts.queue_ns = 3, 1 + 3 + 64, 7_000_000
-    for rows in (1, 3, 64):
-        counts.sizes[histogram.row_bucket(rows)] += 1
-    for us in (5, 3_000, 4_000):
-        counts.queued[histogram.queue_bucket(us)] += 1
+    counts = meter.BatchCounts()
+
+    class Call:
+        def __init__(self, queued_at: int) -> None:
+            self.queued_at = queued_at
+
+    counts.ran(1, [Call(10_000)], 15_000)  # one call queued 5 µs
+    counts.ran(3, [], 0)  # its calls left the queue: counted as a batch, no call
+    counts.ran(64, [Call(0), Call(1_000_000)], 4_000_000)  # queued 4 ms and 3 ms
     m = Meter(table, 1, clock=clock)
     m.batched(1, counts)
-    assert (counts.batches, counts.rows, counts.queue_ns) == (0, 0, 0)
-    assert not any(counts.sizes) and not any(counts.queued)  # moved, not copied
+    assert not counts and (counts.batches, counts.rows, counts.queue_ns) == (0, 0, 0)
     started = m.begin()
     clock.now = 40_000
     m.first_byte(1, started)
@@ -116,7 +118,7 @@ def test_batched_counts_and_first_bytes_land_in_their_cells_and_a_checkpoint(tmp
         0,
         1,
     ]
-    assert t[meter.QUEUE_US] == 7_000 and t[meter.FIRST_BYTE_US] == 40_000
+    assert t[meter.QUEUE_US] == 7_005 and t[meter.FIRST_BYTE_US] == 40_000
     assert t[meter.FIRST_BYTE + histogram.bucket(40_000)] == 1
     families = {
         f.name: f for f in text_string_to_metric_families(prometheus.exposition(snap).decode())
@@ -135,7 +137,7 @@ def test_batched_counts_and_first_bytes_land_in_their_cells_and_a_checkpoint(tmp
     assert samples("polyserve_space_batch_rows", "_count") == {"": 3}
     queue = samples("polyserve_space_batch_queue_seconds", "_bucket")
     assert queue["1e-05"] == 1 and queue["0.0025"] == 1 and queue["0.005"] == 3
-    assert samples("polyserve_space_batch_queue_seconds", "_sum") == {"": 0.007}
+    assert samples("polyserve_space_batch_queue_seconds", "_sum") == {"": 0.007005}
     assert samples("polyserve_space_first_byte_seconds", "_count") == {"": 1}
     meter.checkpoint(table, ledger, tmp_path / "usage.json", 0)
     restored = meter.checkpoint_totals(tmp_path / "usage.json", ledger)
