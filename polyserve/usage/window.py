@@ -30,9 +30,10 @@ _LOWER = np.concatenate(([0.0], _UPPER[:-1]))
 
 
 def quantiles(counts: np.ndarray, q: float) -> np.ndarray:
-    """Per row of bucket counts (N, BUCKETS, not cumulative), the q-quantile in µs as
-    histogram.quantile gives it (NaN for a row without values), for every row at once:
-    a usage answer has one row per space."""
+    """Per row of bucket counts (N, BUCKETS, not cumulative), the q-quantile in µs (NaN
+    for a row without values), for every row at once: a usage answer has one row per
+    space. Linear inside the bucket that holds the rank, from its lower bound (0 for
+    the first) to its upper one; in the +Inf bucket, the last bound."""
     cumulative = np.cumsum(counts, axis=1)
     total = cumulative[:, -1]
     rank = q * total
