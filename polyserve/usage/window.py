@@ -72,7 +72,9 @@ class Window:
         """Mark the cells now, and forget the marks a window needs no more."""
         ledger = self.ledger()
         n = min(len(ledger.names), self.table.space_slots)
-        counts = meter.totals_of(self.table, ledger, n, DURATION, _END)
+        # As uint32, half the memory: a difference of two, modulo 2**32, is exact while
+        # a bucket counts fewer than 2**32 requests in a window.
+        counts = meter.totals_of(self.table, ledger, n, DURATION, _END).astype(np.uint32)
         now = self.clock()
         self._marks.append((now, ledger.names[:n], counts))
         while len(self._marks) > 1 and now - self._marks[1][0] >= self.window_us:
@@ -92,14 +94,15 @@ class Window:
         if since is None:
             return 0.0, np.full(len(current), np.nan), np.full(len(current), np.nan)
         when, names, counts = since
-        earlier = np.zeros_like(current)
+        earlier = np.zeros(current.shape, np.uint32)
         n = min(len(names), len(current))
         earlier[:n] = counts[:n]
         # A slot handed over since the mark: its new owner counted from zero there.
-        for slot in range(n):
-            if names[slot] != snap.names[slot]:
-                earlier[slot] = 0
-        recent = np.maximum(current - earlier, 0)
+        if names[:n] != snap.names[:n]:  # rare: a per-slot look only then
+            for slot in range(n):
+                if names[slot] != snap.names[slot]:
+                    earlier[slot] = 0
+        recent = (current.astype(np.uint32) - earlier).astype(np.int64)
         # The names after the slot owners own no slot (deleted, their slot handed
         # over): they serve nothing now.
         recent[min(len(self.ledger().names), self.table.space_slots) :] = 0

@@ -76,3 +76,31 @@ def test_the_window_reads_from_the_newest_mark_a_window_old():
     requests(10, 1_500)
     span, p50, _ = young.latency(meter.snapshot(table, ledger, clock.now), clock.now)
     assert span == 0.015 and 1 < p50[0] <= 2.5
+
+
+def test_a_slot_handed_over_in_the_window_counts_only_its_new_owner():
+    table, clock = Table.anonymous(1, 2, CELLS), Clock()
+    m = Meter(table, 0, clock=clock)
+    before = Ledger(["o/old"], {}, {})
+    ledger = before
+    window = Window(table, lambda: ledger, clock=clock)
+    for marked in (False, True):  # the old owner's, before and after the mark: slow
+        if marked:
+            window.mark()
+        for _ in range(5):
+            started = m.begin()
+            clock.now += 3_000_000
+            m.end(0, started, error=False)
+    # o/old deleted, its slot handed to o/new: the log keeps o/old's totals, and o/new
+    # counts from them.
+    (kept,) = meter.totals_by_name(table, before, clock.now).values()
+    ledger = Ledger(["o/new"], {0: tuple(-v for v in kept)}, {"o/old": kept})
+    for _ in range(5):  # the new owner's: fast
+        started = m.begin()
+        clock.now += 700
+        m.end(0, started, error=False)
+    snap = meter.snapshot(table, ledger, clock.now)
+    assert snap.names == ["o/new", "o/old"]
+    _, p50, p99 = window.latency(snap, clock.now)
+    assert 0.5 < p50[0] <= 1 and 0.5 < p99[0] <= 1  # ms: o/new's alone
+    assert np.isnan(p50[1]) and np.isnan(p99[1])  # o/old serves nothing now
