@@ -139,6 +139,7 @@ async def running_host(
     background = [
         asyncio.create_task(registry.reaper()),
         asyncio.create_task(deadlines.watch()),
+        asyncio.create_task(host.usage.window.run()),
     ]
     try:
         yield host

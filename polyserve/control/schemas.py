@@ -260,6 +260,17 @@ SCHEMAS: dict[str, Any] = {
                             "type": "integer",
                             "description": "rows those runs computed, all batches together",
                         },
+                        **{
+                            f"p{q}_ms": {
+                                "type": "number",
+                                "nullable": True,
+                                "description": f"the {q}th percentile of the request"
+                                " durations over the host section's latency_window_s"
+                                " (about the last minute), interpolated inside its"
+                                " histogram bucket; null with no request in it",
+                            }
+                            for q in (50, 99)
+                        },
                         "gpu_memory_kib": {
                             "type": "integer",
                             "description": "a GPU host's only: device memory the latest"
@@ -281,7 +292,16 @@ SCHEMAS: dict[str, Any] = {
                     },
                 },
             },
-            "host": {"type": "object"},
+            "host": {
+                "type": "object",
+                "properties": {
+                    "latency_window_s": {
+                        "type": "number",
+                        "description": "the seconds p50_ms and p99_ms span: 60 to 65"
+                        " (less in a worker younger than that); the full answer's",
+                    },
+                },
+            },
         },
     },
 }

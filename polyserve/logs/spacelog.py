@@ -29,6 +29,7 @@ from typing import Any, TextIO, cast
 import orjson
 
 from polyserve.logs.logstore import LogStore
+from polyserve.usage.meter import BatchCounts
 
 RUNNING: ContextVar[Tag | None] = ContextVar("polyserve_space", default=None)
 MESSAGE_MAX = 8192  # characters of one record's message; longer ones lose their middle
@@ -95,10 +96,11 @@ class Tag:
         self.partial: dict[str, str] = {}  # per stream: a line not yet ended
         self.cut: set[str] = set()  # streams whose last line was sent on before its end
         self.lock = threading.Lock()
-        # The runs its batchers made (polyserve.serve.batching) and their rows, not yet
-        # metered: the tag is the one object of a version its tasks all reach, and
-        # dispatch moves these into the worker's row after each request.
-        self.batches = self.batch_rows = 0
+        # The runs its batchers made (polyserve.serve.batching), their rows and their
+        # calls' time queued, not yet metered: the tag is the one object of a version
+        # its tasks all reach, and dispatch moves these into the worker's row after
+        # each request.
+        self.batched = BatchCounts()
 
     # -- what the space says -----------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 import tomllib
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -88,13 +89,14 @@ def read_batching(root: Path) -> Batching | None:
 class _Call:
     """One caller's inputs, where its rows go, and the key its batch must share."""
 
-    __slots__ = ("arrays", "future", "key", "rows")
+    __slots__ = ("arrays", "future", "key", "queued_at", "rows")
 
     def __init__(self, arrays: Arrays, rows: int, future: asyncio.Future[Any]) -> None:
         self.arrays = arrays
         self.rows = rows
         self.key = tuple((a.dtype.str, a.shape[1:]) for a in arrays)
         self.future = future
+        self.queued_at = time.monotonic_ns()  # its time in the queue runs from here
 
 
 class Batcher:
@@ -217,9 +219,8 @@ class Batcher:
         total = sum(call.rows for call in batch)
         self.batches += 1
         tag = spacelog.RUNNING.get()  # the version whose request started this drain
-        if tag is not None:
-            tag.batches += 1
-            tag.batch_rows += total
+        if tag is not None:  # the histograms' counts, which dispatch meters
+            tag.batched.ran(total, batch, time.monotonic_ns())
         try:  # whatever fails here fails this batch's callers, never the drain
             if len(batch) == 1:
                 merged = list(batch[0].arrays)

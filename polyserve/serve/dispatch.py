@@ -92,16 +92,17 @@ class Dispatch:
                 return await answer(scope, receive, send, status, body, headers)
             slot = active.slot
             try:
-                status = await self._call(active.imported, space, scope, receive, send, count, task)
+                status = await self._call(
+                    active.imported, space, scope, receive, send, count, task, (slot, started)
+                )
             finally:
                 # Counted before the lease ends: once the last lease on a deleted space's
                 # version ends, its slot may be handed to another space.
                 if not metered:
                     count(status)
-                tag = active.imported.log
-                if tag.batches:  # the runs its batchers made meanwhile, whoever waited
-                    self.meter.batched(slot, tag.batches, tag.batch_rows)
-                    tag.batches = tag.batch_rows = 0
+                batched = active.imported.log.batched
+                if batched.batches:  # the runs its batchers made meanwhile, whoever waited
+                    self.meter.batched(slot, batched)
                 self.registry.end_lease(active)
         finally:
             if not metered:  # a cancelled lease, a client gone: in flight drops all the same
@@ -116,23 +117,38 @@ class Dispatch:
         send: Send,
         count: Callable[..., None],
         task: asyncio.Task[object],
+        metered: tuple[int, int],
     ) -> int:
         """Call the space, under the deadline `task` entered; returns the status it
-        answered (0 for a websocket)."""
+        answered (0 for a websocket). `metered` is the space's slot and the meter's
+        begin() of the request."""
         status = 0
+        # A stream's time to its first body bytes: an answer is a stream once a body
+        # message says more follows; the first with bytes (or the last) is timed.
+        first_byte, streamed = True, False
 
         async def tracking_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
+            nonlocal status, first_byte, streamed
+            kind = message["type"]
+            if kind == "http.response.body":
+                more = message.get("more_body", False)
+                if first_byte:
+                    streamed = streamed or more
+                    if message.get("body") or not more:
+                        first_byte = False
+                        if streamed:
+                            self.meter.first_byte(*metered)
+                if not more:
+                    # Counted before the last bytes leave: a worker killed after its
+                    # client has the answer must not have lost the count (counted >=
+                    # served).
+                    count(status)
+            elif kind == "http.response.start":
                 status = message["status"]
                 # The deadline bounds the wait for an answer: a started stream lives on.
                 self.deadlines.leave(task)
-            elif message["type"] == "websocket.accept":
+            elif kind == "websocket.accept":
                 self.deadlines.leave(task)
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                # Counted before the last bytes leave: a worker killed after its client
-                # has the answer must not have lost the count (counted >= served).
-                count(status)
             await send(message)
 
         if imported.kind == "app":

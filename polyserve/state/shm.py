@@ -39,7 +39,9 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 MAGIC = 0x70_6F_6C_79_73_72_76  # "polysrv"
-LAYOUT_VERSION = 7  # 7: the access words and the keys' cells (polyserve.serve.gate)
+# 8: the batch and first-byte histograms (polyserve.usage.meter); 7: the access words
+# and the keys' cells (polyserve.serve.gate).
+LAYOUT_VERSION = 8
 HEADER_WORDS = 8
 H_STARTED, H_ALIVE, H_FOLLOWED = 5, 6, 7
 WORKER_WORDS = 2  # pid, in flight

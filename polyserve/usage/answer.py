@@ -22,6 +22,7 @@ from polyserve.state.store import Store
 from polyserve.usage import meter, prometheus
 from polyserve.usage.mapped import mapped_by_space
 from polyserve.usage.meter import Cell, Snapshot
+from polyserve.usage.window import Window
 
 # `?only=host`: the host's section alone, what the autoscaler scrapes.
 Only = Literal["host"]
@@ -42,6 +43,9 @@ class Usage:
         self.host_limiter = host_limiter  # the host's own threads: reading /proc runs on them
         self.gpus = gpus  # a GPU host's (POLYSERVE_GPUS): its answer has their fields
         self._rendering = Rendering()
+        # p50 and p99 over the last minute: marks of the duration cells, which the
+        # worker's background task takes (Window.run).
+        self.window = Window(table, store.slots.ledger)
 
     def snapshot(self) -> Snapshot:
         return meter.snapshot(self.table, self.store.slots.ledger(), meter.now_us())
@@ -59,12 +63,15 @@ class Usage:
         """The /_polyserve/usage answer, encoded."""
         if only == "host":  # no spaces: no maps to read
             return orjson.dumps({"host": host_usage(self.snapshot(), self.gpus)})
-        snap = self.snapshot()
+        now = meter.now_us()
+        snap = meter.snapshot(self.table, self.store.slots.ledger(), now)
         mapped = await self.mapped()
+        window_s, p50, p99 = self.window.latency(snap, now)
         fields, values = columns(snap, mapped, self.gpus)
+        fields, values = fields + LATENCY_FIELDS, [*values, p50, p99]
         # orjson: the stdlib's encoder was most of the answer's time (bench/NOTES.md,
-        # "Where the time goes").
-        host = orjson.dumps(host_usage(snap, self.gpus))
+        # "Where the time goes"). It writes NaN (no request in the window) as null.
+        host = orjson.dumps({**host_usage(snap, self.gpus), "latency_window_s": window_s})
         keyed = key_requests(snap, await self._accesses())
         spaces = self._rendering.spaces(
             snap.names, fields, values, keyed
@@ -105,6 +112,8 @@ FIELDS = (
     "batch_rows",
 )
 GPU_FIELDS = ("gpu_memory_kib", "recycled")  # a GPU host's only
+# Over the host section's latency_window_s (polyserve/usage/window.py): the full answer's.
+LATENCY_FIELDS = ("p50_ms", "p99_ms")
 
 
 def columns(
@@ -208,7 +217,10 @@ class Rendering:
         else:
             differs = np.zeros(len(names), dtype=bool)
             for now, before in zip(values, self.values, strict=True):
-                differs |= now != before
+                unequal = now != before
+                if now.dtype.kind == "f":  # NaN (null) is not a change from NaN
+                    unequal &= ~(np.isnan(now) & np.isnan(before))
+                differs |= unequal
             changed = np.flatnonzero(differs).tolist()
         if changed:
             picked = [v[changed].tolist() for v in values]

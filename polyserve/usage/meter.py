@@ -23,6 +23,14 @@ Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserv
                      response complete; bounds in polyserve.usage.histogram, not
                      cumulative); their sum is BUSY_US, the same durations. One
                      block per space slot; a version lane would be another block.
+    BATCH_SIZE       histogram.ROW_BUCKETS cells, batches by their rows (powers of
+                     two); their count is BATCHES, their sum BATCH_ROWS.
+    BATCH_QUEUE      histogram.QUEUE_BUCKETS cells, batched calls by their time in
+                     the queue (enqueue to their batch's start)
+    FIRST_BYTE       histogram.BUCKETS cells, streamed answers (more than one body
+                     message) by the time from dispatch to their first body bytes
+    QUEUE_US         one cell, the sum of BATCH_QUEUE's times (µs)
+    FIRST_BYTE_US    one cell, the sum of FIRST_BYTE's times (µs)
     KEY_REQUESTS     KEY_CELLS cells, the requests answered per key of a private space
                      (its access file gives each key one of them: polyserve.state.access)
 
@@ -37,11 +45,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -70,15 +79,25 @@ class Cell(IntEnum):
     RECYCLED = 15
 
 
+# Histogram blocks after the scalar cells, each named by its first cell, then their sums.
 DURATION = len(Cell)  # the first of the duration histogram's cells
 DURATION_END = DURATION + histogram.BUCKETS  # past the histogram's last cell
-# The keys' block, after the histogram's: a key's requests are KEY_REQUESTS + its cell.
-KEY_REQUESTS = DURATION_END
+BATCH_SIZE = DURATION_END  # rows per batch
+BATCH_QUEUE = BATCH_SIZE + histogram.ROW_BUCKETS  # a batched call's time in the queue
+FIRST_BYTE = BATCH_QUEUE + histogram.QUEUE_BUCKETS  # a stream's time to its first bytes
+QUEUE_US = FIRST_BYTE + histogram.BUCKETS
+FIRST_BYTE_US = QUEUE_US + 1
+# The keys' block, after the histograms': a key's requests are KEY_REQUESTS + its cell.
+KEY_REQUESTS = FIRST_BYTE_US + 1
 KEY_CELLS = 8  # a space's keys at most (polyserve.state.access.MAX_KEYS)
 CELLS = KEY_REQUESTS + KEY_CELLS
 _BUCKET = histogram.bucket
 # Plain ints for the request path: an IntEnum member lookup costs more than the store.
 _REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
+_BATCHES, _BATCH_ROWS = int(Cell.BATCHES), int(Cell.BATCH_ROWS)
+_MAX_ROW_BOUND = histogram.ROW_BOUNDS[-1]
+_ROWS_INF = BATCH_SIZE + histogram.ROW_BUCKETS - 1
+_QUEUE_BOUNDS_NS = histogram.QUEUE_BOUNDS_NS
 # Counters that only grow: what a checkpoint saves, a restart restores, and a slot
 # handed over to another space keeps for its old owner (slots.Ledger).
 # The first six are the billing totals, the columns of the fleet's usage ledger (BILLED).
@@ -95,7 +114,7 @@ TOTALS: tuple[int, ...] = (
     Cell.BATCHES,
     Cell.BATCH_ROWS,
     Cell.RECYCLED,
-    *range(DURATION, DURATION_END),
+    *range(DURATION, KEY_REQUESTS),  # the histograms' cells and their sums
     *range(KEY_REQUESTS, CELLS),
 )
 BILLED = TOTALS[:6]
@@ -104,6 +123,10 @@ _TOTAL_CELLS = [int(c) for c in TOTALS]
 TOTAL_NAMES = (
     tuple(c.name.lower() for c in TOTALS if isinstance(c, Cell))
     + histogram.names("duration")
+    + histogram.names("batch_size", histogram.ROW_BOUNDS, "rows")
+    + histogram.names("batch_queue", histogram.QUEUE_BOUNDS_US)
+    + histogram.names("first_byte")
+    + ("batch_queue_us", "first_byte_us")
     + tuple(f"key_requests_{k}" for k in range(KEY_CELLS))
 )
 _TOTAL_INDEX = dict(zip(TOTAL_NAMES, _TOTAL_CELLS, strict=True))
@@ -121,6 +144,39 @@ RELEASES: dict[Reason, Cell] = {
     "memory": Cell.RELEASED_MEMORY,
     "demand": Cell.RELEASED_DEMAND,
 }
+
+
+class Queued(Protocol):
+    queued_at: int  # monotonic ns
+
+
+class BatchCounts(dict[int, int]):
+    """What one version's batchers ran and have not metered yet, which dispatch adds to
+    the worker's row (Meter.batched) after each request: the runs, their rows and their
+    calls' time queued as ints, and the buckets touched as a dict (cell of a slot's
+    block -> count), so that a flush stores only the cells that changed. The batchers
+    run on the loop, so no lock."""
+
+    __slots__ = ("batches", "queue_ns", "rows")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches = self.rows = self.queue_ns = 0
+
+    def ran(self, rows: int, calls: Iterable[Queued], now: int) -> None:
+        """A batch of `rows` rows starts at `now` (monotonic ns) with these calls."""
+        self.batches += 1
+        self.rows += rows
+        get = self.get
+        size = BATCH_SIZE + (rows - 1).bit_length() if 0 < rows <= _MAX_ROW_BOUND else _ROWS_INF
+        self[size] = get(size, 0) + 1
+        waited = 0
+        for call in calls:
+            took = now - call.queued_at
+            waited += took
+            cell = BATCH_QUEUE + bisect_left(_QUEUE_BOUNDS_NS, took)
+            self[cell] = get(cell, 0) + 1
+        self.queue_ns += waited
 
 
 def now_us() -> int:
@@ -182,11 +238,24 @@ class Meter:
         """The worker let the space go for the reason `cell` (one of RELEASES)."""
         self.words[self._row + slot * CELLS + cell] += 1
 
-    def batched(self, slot: int, batches: int, rows: int) -> None:
-        """The space's batchers ran `batches` runs of `rows` rows in all since the last call."""
+    def batched(self, slot: int, counts: BatchCounts) -> None:
+        """Move what the space's batchers counted since the last call into this row, and
+        zero `counts`."""
         words, base = self.words, self._row + slot * CELLS
-        words[base + Cell.BATCHES] += batches
-        words[base + Cell.BATCH_ROWS] += rows
+        words[base + _BATCHES] += counts.batches
+        words[base + _BATCH_ROWS] += counts.rows
+        words[base + QUEUE_US] += counts.queue_ns // 1000
+        for cell, n in counts.items():
+            words[base + cell] += n
+        counts.clear()
+        counts.batches = counts.rows = counts.queue_ns = 0
+
+    def first_byte(self, slot: int, started: int) -> None:
+        """A streamed answer sent its first body bytes; `started` is begin()'s."""
+        words, base = self.words, self._row + slot * CELLS
+        took = (self._ns() - started) // 1000
+        words[base + FIRST_BYTE_US] += took
+        words[base + FIRST_BYTE + _BUCKET(took)] += 1
 
     def released(self, slot: int) -> None:
         """This worker holds no version of the space any more: fold its residency."""
@@ -252,6 +321,17 @@ def totals(table: Table, now: int, slots: int | None = None) -> np.ndarray:
     # A stretch that began after `now` (possible when recovering up to a dead master's
     # last checkpoint) counts nothing rather than something negative.
     summed[:, Cell.RESIDENT_US] += np.where(since > 0, np.maximum(now - since, 0), 0).sum(axis=0)
+    return summed
+
+
+def totals_of(table: Table, ledger: Ledger, slots: int, start: int, end: int) -> np.ndarray:
+    """Cells start:end (TOTALS, a histogram's block) of the first `slots` slots, summed
+    over every row, the ledger's offsets applied: a part of what snapshot() reads."""
+    summed = table.cell_array()[:, :slots, start:end].sum(axis=0)
+    first = _TOTAL_CELLS.index(start)
+    for slot, offset in ledger.offsets.items():
+        if slot < slots:
+            summed[slot] += _widen(offset)[first : first + end - start]
     return summed
 
 

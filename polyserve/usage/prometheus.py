@@ -17,7 +17,17 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from polyserve.devices import Memory
 from polyserve.usage import histogram
-from polyserve.usage.meter import DURATION, DURATION_END, RELEASES, Cell, Snapshot
+from polyserve.usage.meter import (
+    BATCH_QUEUE,
+    BATCH_SIZE,
+    DURATION,
+    FIRST_BYTE,
+    FIRST_BYTE_US,
+    QUEUE_US,
+    RELEASES,
+    Cell,
+    Snapshot,
+)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -67,12 +77,6 @@ _SPACE_METRICS: tuple[tuple[str, Kind, str, Callable[[Snapshot], np.ndarray]], .
         _total(Cell.BATCHES),
     ),
     (
-        "polyserve_space_batch_rows",
-        "counter",
-        "Rows those batched runs computed: rows per batch is this over the batches.",
-        _total(Cell.BATCH_ROWS),
-    ),
-    (
         "polyserve_space_workers_loaded",
         "gauge",
         "Workers that hold the space now.",
@@ -113,7 +117,7 @@ class _SnapshotCollector:
             for space, value in zip(snap.names, values(snap).tolist(), strict=True):
                 family.add_metric([space], value)
             yield family
-        yield self._durations()
+        yield from self._histograms()
         if self.mapped is not None:
             family = GaugeMetricFamily(
                 "polyserve_space_mapped_bytes",
@@ -157,21 +161,50 @@ class _SnapshotCollector:
                 value=max(last - applied, 0),
             )
 
-    def _durations(self) -> Metric:
-        """Each space's request durations: buckets made cumulative here, the table's
-        cells count each bucket alone."""
-        snap = self.snap
-        family = HistogramMetricFamily(
+    def _histograms(self) -> Iterator[Metric]:
+        """Each space's histograms: buckets made cumulative here, the table's cells count
+        each bucket alone. Each sum is the cell that adds the same values."""
+        t = self.snap.totals
+        seconds = [f"{b / 1e6:g}" for b in histogram.BOUNDS_US]
+        yield self._histogram(
             "polyserve_space_request_duration_seconds",
             "Time from dispatch to the space until its response completed.",
-            labels=["space"],
+            seconds,
+            t[:, DURATION : DURATION + histogram.BUCKETS],
+            t[:, Cell.BUSY_US] / 1e6,  # end() adds the same µs to both
         )
-        bounds = [f"{b / 1e6:g}" for b in histogram.BOUNDS_US] + ["+Inf"]
-        cumulative = np.cumsum(snap.totals[:, DURATION:DURATION_END], axis=1).tolist()
-        # The sum of the durations is the busy time: end() adds the same µs to both.
-        sums = (snap.totals[:, Cell.BUSY_US] / 1e6).tolist()
-        for space, counts, total in zip(snap.names, cumulative, sums, strict=True):
-            family.add_metric([space], list(zip(bounds, counts, strict=True)), total)
+        yield self._histogram(
+            "polyserve_space_batch_rows",
+            "Rows per batched run of the space's model (or its polyserve.models.batched"
+            " functions); the count is the batches, the sum the rows.",
+            [str(b) for b in histogram.ROW_BOUNDS],
+            t[:, BATCH_SIZE : BATCH_SIZE + histogram.ROW_BUCKETS],
+            t[:, Cell.BATCH_ROWS],
+        )
+        yield self._histogram(
+            "polyserve_space_batch_queue_seconds",
+            "Time a batched call waited, from its enqueue to the start of its batch.",
+            [f"{b / 1e6:g}" for b in histogram.QUEUE_BOUNDS_US],
+            t[:, BATCH_QUEUE : BATCH_QUEUE + histogram.QUEUE_BUCKETS],
+            t[:, QUEUE_US] / 1e6,
+        )
+        yield self._histogram(
+            "polyserve_space_first_byte_seconds",
+            "Time from dispatch to the first body bytes of a streamed answer (one sent in"
+            " more than one body message).",
+            seconds,
+            t[:, FIRST_BYTE : FIRST_BYTE + histogram.BUCKETS],
+            t[:, FIRST_BYTE_US] / 1e6,
+        )
+
+    def _histogram(
+        self, name: str, doc: str, bounds: list[str], cells: np.ndarray, sums: np.ndarray
+    ) -> Metric:
+        family = HistogramMetricFamily(name, doc, labels=["space"])
+        les = [*bounds, "+Inf"]
+        cumulative = np.cumsum(cells, axis=1).tolist()
+        for space, counts, total in zip(self.snap.names, cumulative, sums.tolist(), strict=True):
+            family.add_metric([space], list(zip(les, counts, strict=True)), total)
         return family
 
     def _gpu_metrics(self) -> Iterator[Metric]:

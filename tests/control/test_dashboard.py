@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -177,6 +179,63 @@ def test_the_dashboard_shows_real_figures_logs_and_updates_without_a_reload(
         expect(history.locator("p.note")).to_have_text("Rolled back to v1.")
         assert h.get("/s/lee101/beta/").status_code == 200
         expect(beta.locator(".lines")).to_contain_text("beta v1 served", timeout=WAIT_MS)
+    assert problems == []
+    page.close()
+
+
+SLEEPER = """
+import asyncio
+
+
+async def handle(request):
+    await asyncio.sleep(0.12)
+    return "slept"
+"""
+
+
+def test_the_chart_draws_requests_per_second_and_p99_from_the_live_figures(host_factory, browser):
+    """While a space whose every request sleeps 120 ms is called, each poll adds a point
+    to its requests-per-second line and its p99 line, and the key reads the usage
+    answer's p99, in the (100, 250] ms bucket. A space that answers nothing draws a
+    rate line at zero and no p99."""
+    h = host_factory(workers=1)
+    assert h.deploy("lee101/sleeper", SLEEPER).status_code == 200
+    assert h.deploy("lee101/quiet", SLEEPER).status_code == 200
+    page = browser.new_page(viewport={"width": 1280, "height": 600})
+    problems = watch(page)
+    page.goto(h.url + "/_polyserve/")
+    sleeper = page.locator('tbody[data-space="lee101/sleeper"] td.chart')
+    quiet = page.locator('tbody[data-space="lee101/quiet"] td.chart')
+    expect(sleeper.locator("svg.spark")).to_have_count(1, timeout=WAIT_MS)
+    stop = threading.Event()
+
+    def calls() -> None:
+        while not stop.is_set():
+            assert h.get("/s/lee101/sleeper/").text == "slept"
+
+    caller = threading.Thread(target=calls)
+    caller.start()
+    try:
+        three = re.compile(r"^\S+,\S+ \S+,\S+ \S+,\S+")  # three polls' points at least
+        expect(sleeper.locator("polyline.rps")).to_have_attribute("points", three, timeout=WAIT_MS)
+        expect(sleeper.locator("polyline.p99")).to_have_attribute("points", three, timeout=WAIT_MS)
+    finally:
+        stop.set()
+        caller.join()
+    tail = sleeper.locator(".key .p99").text_content() or ""
+    found = re.fullmatch(r"p99 (\d+) ms", tail)
+    assert found and 100 < int(found.group(1)) <= 250, tail
+    rate = sleeper.locator(".key .rps").text_content() or ""
+    assert re.fullmatch(r"\d+\.\d/s", rate), rate
+    # Points drawn inside the chart's box, the rate above its baseline at some poll.
+    points = [
+        tuple(map(float, p.split(",")))
+        for p in (sleeper.locator("polyline.rps").get_attribute("points") or "").split()
+    ]
+    assert all(0 <= x <= 120 and 0 <= y <= 26 for x, y in points)
+    assert min(y for _, y in points) < 25
+    expect(quiet.locator(".key .p99")).to_have_text("p99 \u2013")
+    assert quiet.locator("polyline.p99").get_attribute("points") == ""
     assert problems == []
     page.close()
 

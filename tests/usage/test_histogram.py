@@ -69,3 +69,77 @@ def test_a_checkpoint_restores_the_histogram_cells(tmp_path):
     assert restored is not None
     assert restored[0, DURATION + histogram.bucket(2_000)] == 1
     assert restored[0, Cell.BUSY_US] == 2_000
+
+
+def test_a_batch_goes_to_the_first_power_of_two_that_holds_its_rows():
+    assert [histogram.row_bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 1024)] == [
+        0,
+        1,
+        2,
+        2,
+        3,
+        3,
+        4,
+        10,
+    ]
+    assert histogram.row_bucket(1025) == histogram.ROW_BUCKETS - 1  # +Inf
+    assert histogram.row_bucket(1 << 20) == histogram.ROW_BUCKETS - 1
+    for i, bound in enumerate(histogram.ROW_BOUNDS):
+        assert histogram.row_bucket(bound) == i
+
+
+def test_batched_counts_and_first_bytes_land_in_their_cells_and_a_checkpoint(tmp_path):
+    table, clock = Table.anonymous(2, 2, CELLS), Clock()
+    counts = meter.BatchCounts()
+
+    class Call:
+        def __init__(self, queued_at: int) -> None:
+            self.queued_at = queued_at
+
+    counts.ran(1, [Call(10_000)], 15_000)  # one call queued 5 µs
+    counts.ran(3, [], 0)  # its calls left the queue: counted as a batch, no call
+    counts.ran(64, [Call(0), Call(1_000_000)], 4_000_000)  # queued 4 ms and 3 ms
+    m = Meter(table, 1, clock=clock)
+    m.batched(1, counts)
+    assert not counts and (counts.batches, counts.rows, counts.queue_ns) == (0, 0, 0)
+    started = m.begin()
+    clock.now = 40_000
+    m.first_byte(1, started)
+    ledger = Ledger(["o/a", "o/b"], {}, {})
+    snap = meter.snapshot(table, ledger, 0)
+    t = snap.totals[1]
+    assert t[Cell.BATCHES] == 3 and t[Cell.BATCH_ROWS] == 68
+    assert t[meter.BATCH_SIZE : meter.BATCH_SIZE + histogram.ROW_BUCKETS].tolist()[:7] == [
+        1,
+        0,
+        1,
+        0,
+        0,
+        0,
+        1,
+    ]
+    assert t[meter.QUEUE_US] == 7_005 and t[meter.FIRST_BYTE_US] == 40_000
+    assert t[meter.FIRST_BYTE + histogram.bucket(40_000)] == 1
+    families = {
+        f.name: f for f in text_string_to_metric_families(prometheus.exposition(snap).decode())
+    }
+
+    def samples(name: str, suffix: str) -> dict[str, float]:
+        return {
+            s.labels.get("le", ""): s.value
+            for s in families[name].samples
+            if s.labels["space"] == "o/b" and s.name.endswith(suffix)
+        }
+
+    rows = samples("polyserve_space_batch_rows", "_bucket")
+    assert rows["1"] == 1 and rows["2"] == 1 and rows["4"] == 2 and rows["64"] == 3
+    assert samples("polyserve_space_batch_rows", "_sum") == {"": 68}
+    assert samples("polyserve_space_batch_rows", "_count") == {"": 3}
+    queue = samples("polyserve_space_batch_queue_seconds", "_bucket")
+    assert queue["1e-05"] == 1 and queue["0.0025"] == 1 and queue["0.005"] == 3
+    assert samples("polyserve_space_batch_queue_seconds", "_sum") == {"": 0.007005}
+    assert samples("polyserve_space_first_byte_seconds", "_count") == {"": 1}
+    meter.checkpoint(table, ledger, tmp_path / "usage.json", 0)
+    restored = meter.checkpoint_totals(tmp_path / "usage.json", ledger)
+    assert restored is not None
+    assert restored[1].tolist() == snap.totals[1].tolist()
