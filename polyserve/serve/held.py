@@ -33,12 +33,14 @@ class Active:
     inflight: int = 0
     retired: bool = False
     key: str = ""  # "": the space's name
+    label: str = field(init=False)  # the version's number as a URL names it, `@N`
     # Keep drop tasks referenced until they finish (asyncio holds tasks only weakly).
     _dropping: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.key:
             self.key = self.imported.space
+        self.label = str(self.version.number)
 
 
 class Held:
