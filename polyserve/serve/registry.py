@@ -178,7 +178,8 @@ class Registry:
                 self.loads.start(space, slot, generation)
 
     async def reap(self) -> list[str]:
-        """Release every space idle for idle_ttl; returns their names once dropped."""
+        """Release every space idle for idle_ttl; returns their keys once dropped (a
+        kept version by name: `owner/name@N`)."""
         now = self.clock()
         idle = [
             a
@@ -189,7 +190,7 @@ class Registry:
             self.meter.count_release(active.slot, Cell.RELEASED_IDLE)
             self.held.retire(active)
         await self.held.wait_dropped(idle)
-        return [a.imported.space for a in idle]
+        return [a.key for a in idle]
 
     async def reaper(self) -> None:
         """Run reap() forever, often enough that a space outlives its TTL by at most 25%."""
