@@ -21,7 +21,7 @@ COLLECT_INTERVAL_S = 1.0
 @dataclass(eq=False)
 class Active:
     """One version this worker holds: the one serving, or a retired one still draining.
-    `key` is its name in Held.active: the space's for its current version, and
+    `key` is its name in the map of what serves: the space's for its current version, and
     `owner/name@N` for kept version N called by name (polyserve/serve/registry.py)."""
 
     imported: loader.Imported
