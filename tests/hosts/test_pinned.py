@@ -60,6 +60,28 @@ def test_a_kept_version_by_name_serves_beside_the_current_one_in_every_worker(ho
     assert text(host, "/s/pin/two@2/") == "two"
     assert text(host, "/s/pin/two@current/") == "two"
     assert text(host, "/s/pin/two/") == "two"
+    # A deploy moves the plain URL at once, with v1 loaded by name in every worker, and
+    # leaves v1 serving by name.
+    assert deploy(host, "pin/two", source("three")) == 3
+    for _ in range(4 * host.workers):
+        assert text(host, "/s/pin/two/") == "three"
+        assert text(host, "/s/pin/two@1/") == "one"
+        assert text(host, "/s/pin/two@2/") == "two"
+
+
+def test_what_a_version_by_name_logs_carries_its_version(host):
+    speaking = "def handle(request):\n    print('said by {n}')\n    return {{'text': '{n}'}}\n"
+    deploy(host, "pin/logs", speaking.format(n="one"))
+    deploy(host, "pin/logs", speaking.format(n="two"))
+    assert text(host, "/s/pin/logs@1/") == "one"
+    assert text(host, "/s/pin/logs/") == "two"
+
+    def both_said() -> list[dict]:
+        found = host.get("/_polyserve/spaces/pin/logs/logs").json()["records"]
+        return found if len(found) >= 2 else []
+
+    said = {r["message"]: r["version"] for r in until(both_said, what="two records")}
+    assert said == {"said by one": 1, "said by two": 2}, said
 
 
 def test_requests_to_a_version_by_name_count_for_the_space(host):
@@ -119,6 +141,7 @@ def test_the_protocol_route_with_a_version_reaches_that_version_of_a_model(host)
     assert meta.status_code == 200 and meta.json()["versions"] == ["1", "2"], meta.text
     missing = httpx.post(host.url + "/v2/models/pin/model/versions/9/infer", content=payload)
     assert missing.status_code == 404 and missing.json()["kept"] == [1, 2], missing.text
+    assert requests(host, "pin/model") == 5  # every infer, the unknown version's not
 
 
 def test_deleting_the_space_makes_a_version_by_name_a_404(host):
