@@ -10,6 +10,7 @@ import argparse
 import io
 import json
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -70,6 +71,11 @@ def deploys(tmp: Path, url: str, n: int) -> dict:
         hosts = fleet_hosts(tmp, url, ["a", "b", "c"])
         try:
             live_hosts(hosts[0].url, 3)  # a fast deploy must not beat a host's first heartbeat
+            # Served on every host first: each then fetches every deploy's files as it
+            # arrives (POLYSERVE_FLEET_FILES=served), the dearest case.
+            timed_deploy(hosts[0].url, "bench/fleet", 0)
+            for host in hosts:
+                assert httpx2.get(f"{host.url}/s/bench/fleet/", timeout=30).status_code == 200
             for i in range(1, n + 1):
                 ms, _ = timed_deploy(alone.url, "bench/one", i)
                 single.append(ms)
@@ -86,6 +92,45 @@ def deploys(tmp: Path, url: str, n: int) -> dict:
         "fleet_of_3": {"p50_ms": harness.median(fleet), "p99_ms": percentile(fleet, 99)},
         "p50_ratio": round(ratio, 2),
         "met": ratio <= 2,
+    }
+
+
+def cold_fetch(tmp: Path, url: str, n: int) -> dict:
+    """A fleet host's first request for onnx-tiny whose files it never had (fetched from
+    PostgreSQL, unpacked, imported), against a single host's first request after its
+    deploy (imported from its own disk); a new space each time, alternated."""
+    example = harness.REPO / "examples" / "python-onnx-tiny"
+    tar = io.BytesIO()
+    with tarfile.open(fileobj=tar, mode="w") as t:
+        for path in sorted(example.iterdir()):
+            if path.is_file():
+                t.add(path, arcname=path.name)
+    upload = tar.getvalue()
+    local, fetched = [], []
+    with harness.polyserve(1, tmp / "single") as alone:
+        hosts = fleet_hosts(tmp, url, ["a", "b"])
+        try:
+            live_hosts(hosts[0].url, 2)
+            for i in range(n):
+                for receiving, serving, times in (
+                    (alone, alone, local),
+                    (hosts[0], hosts[1], fetched),
+                ):
+                    harness.deploy(receiving.url, f"bench/cold{i}", "onnx-tiny.tar", upload)
+                    t0 = time.perf_counter()
+                    r = httpx2.get(f"{serving.url}/s/bench/cold{i}/", timeout=60)
+                    times.append((time.perf_counter() - t0) * 1000)
+                    assert r.status_code == 200, r.text
+        finally:
+            for host in hosts:
+                host.stop()
+    ratio = harness.median(fetched) / harness.median(local)
+    return {
+        "spaces": n,
+        "single_host_first_request": {"p50_ms": harness.median(local)},
+        "fleet_host_fetching_first_request": {"p50_ms": harness.median(fetched)},
+        "p50_ratio": round(ratio, 2),
+        "met": ratio <= 3,
     }
 
 
@@ -171,6 +216,7 @@ def main() -> None:
     parser.add_argument("--deploys", type=int, default=20)
     parser.add_argument("--versions", type=int, default=1000)
     parser.add_argument("--spaces", type=int, default=10_000)
+    parser.add_argument("--cold", type=int, default=10)
     args = parser.parse_args()
     bindir = find_bindir()
     if bindir is None:
@@ -182,6 +228,7 @@ def main() -> None:
         result = {
             "deploy": deploys(tmp / "d", server.create_database(), args.deploys),
             "catch_up": catch_up(tmp / "c", server.create_database(), args.versions),
+            "cold_fetch": cold_fetch(tmp / "f", server.create_database(), args.cold),
             "fleet_usage": fleet_usage(tmp / "u", server.create_database(), args.spaces),
         }
     finally:
