@@ -73,8 +73,14 @@ class HostApp:
                     owner, name = parts[2], parts[3]
                     if len(parts) == 4:  # /s/owner/name: on to its root, as Starlette's does
                         return await _answer_redirect(scope, receive, send)
-                    scope["path_params"] = {"owner": owner, "name": name}
                     scope["root_path"] = f"{root}/s/{owner}/{name}"
+                    if "@" in name:  # name@N: kept version N (docs/deploys.md)
+                        name, _, version = name.partition("@")
+                        if version and version != "current":
+                            params = {"owner": owner, "name": name, "version": version}
+                            scope["path_params"] = params
+                            return await self._dispatch(scope, receive, send)
+                    scope["path_params"] = {"owner": owner, "name": name}
                     return await self._dispatch(scope, receive, send)
             elif path == "/v2" or path.startswith("/v2/"):  # the inference protocol
                 if self.control.host is None:

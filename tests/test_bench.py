@@ -41,6 +41,13 @@ def test_inprocess_bench_runs_one_short_round():
     assert result["rounds"] == 2 and result["a_median_us"] > 0 and result["b_median_us"] > 0
 
 
+def test_pinned_bench_runs_one_short_round():
+    """A kept version by name, the plain path and the current one by name all answer."""
+    result = run_bench("pinned.py", "--rounds", "3", "--requests", "20")
+    assert result["rounds"] == 3 and result["kept_median_us"] > 0
+    assert result["lease_kept_ns"] > 0 and result["lease_plain_ns"] > 0
+
+
 @pytest.mark.gunicorn  # polyserve dev starts a host
 def test_dev_save_bench_runs_one_short_round():
     """A few saves under `polyserve dev`: each is served, and Ctrl-C ends it cleanly."""

@@ -63,14 +63,14 @@ class DeviceMemory:
         self,
         held: Held,
         meter: Meter,
-        pinned: Callable[[str], bool],
+        awaited: Callable[[str], bool],
         limit: int = 0,
         read: Callable[[], int | None] | None = None,
         recycle: Callable[[], None] = recycle_worker,
     ) -> None:
         self.held = held
         self.meter = meter
-        self.pinned = pinned
+        self.awaited = awaited
         self.limit = limit
         index = devices.assigned()
         self.read = read or (lambda: devices.process_memory(index if index is not None else 0))
@@ -134,12 +134,12 @@ class DeviceMemory:
                 for name, a in self.held.active.items()
                 if a.inflight == 0
                 and self.sizes.get(name, 0) > 0
-                and (name == space or not self.pinned(name))
+                and (name == space or not self.awaited(name))
             ]
             if not idle:
                 raise DeviceNoRoom(space, memory, self.limit)
-            oldest = min(idle, key=lambda a: (a.imported.space != space, a.last_used))
-            if oldest.imported.space != space:  # a swap is not a release
+            oldest = min(idle, key=lambda a: (a.key != space, a.last_used))
+            if oldest.key != space:  # a swap is not a release
                 self.meter.count_release(oldest.slot, Cell.RELEASED_MEMORY)
             dropping = self.held.retire(oldest)
             del oldest, idle  # a reference here would keep it from the collection

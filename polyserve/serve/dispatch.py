@@ -48,6 +48,7 @@ class Dispatch:
         """A request for a space: HostApp has set path_params and extended root_path."""
         params = scope["path_params"]
         space = f"{params['owner']}/{params['name']}"
+        version = params.get("version")  # `@N` in the URL: kept version N, by name
         # The key check comes first: a refused request is counted nowhere, loads nothing.
         key = PUBLIC
         if self.gate is not None:
@@ -76,7 +77,12 @@ class Dispatch:
         task = self.deadlines.enter()
         try:
             try:
-                active = self.registry.lease_current(space) or await self.registry.lease(space)
+                if version is None:
+                    active = self.registry.lease_current(space) or await self.registry.lease(space)
+                else:
+                    active = self.registry.lease_named(space, version) or (
+                        await self.registry.lease_version(space, version)
+                    )
             except BaseException as exc:
                 timed_out = isinstance(exc, asyncio.CancelledError) and self.deadlines.expired(task)
                 self.deadlines.leave(task)  # no lease: what is left is the answer why

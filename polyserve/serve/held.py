@@ -20,18 +20,27 @@ COLLECT_INTERVAL_S = 1.0
 
 @dataclass(eq=False)
 class Active:
-    """One version this worker holds: the one serving, or a retired one still draining."""
+    """One version this worker holds: the one serving, or a retired one still draining.
+    `key` is its name in the map of what serves: the space's for its current version, and
+    `owner/name@N` for kept version N called by name (polyserve/serve/registry.py)."""
 
     imported: loader.Imported
     version: Version
     slot: int
-    generation: int  # the space's generation word when this was found current
+    generation: int  # the space's generation word when this was found current (or kept)
     releases: int  # the space's release word when this was loaded
     last_used: float
     inflight: int = 0
     retired: bool = False
+    key: str = ""  # "": the space's name
+    label: str = field(init=False)  # the version's number as a URL names it, `@N`
     # Keep drop tasks referenced until they finish (asyncio holds tasks only weakly).
     _dropping: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = self.imported.space
+        self.label = str(self.version.number)
 
 
 class Held:
@@ -50,7 +59,9 @@ class Held:
         self.meter = meter
         self.start_timeout = start_timeout  # a version's lifespan startup, and its shutdown
         self.host_limiter = host_limiter
-        self.active: dict[str, Active] = {}  # the version serving each space
+        # The version serving each space, and each kept version called by name (its key
+        # `owner/name@N`).
+        self.active: dict[str, Active] = {}
         # Told before memory may be freed under the loads being measured (MemoryCap).
         self.freeing: Callable[[], None] = lambda: None
         # Told after each collection (a GPU worker's device memory: polyserve.serve.devcap).
@@ -78,6 +89,27 @@ class Held:
             version = again
         return None
 
+    async def kept(self, space: str, slot: int, number: int) -> Version | None:
+        """Kept version `number`, held before any of its files is read; None when the
+        space is not deployed or does not keep it. Read again under the store lock,
+        which every prune holds while it reads the holds and removes files: a version
+        found there after the hold stays."""
+        if self.store.meta(space, number) is None:  # an unknown version takes no lock
+            return None
+        self._hold(space, slot, number)
+        version = await anyio.to_thread.run_sync(
+            self._kept_locked, space, number, limiter=self.host_limiter
+        )
+        if version is None:
+            self.unhold(space, slot, number)
+        return version
+
+    def _kept_locked(self, space: str, number: int) -> Version | None:
+        with self.store.locked():
+            if self.store.current(space) is None:  # deleted: its versions go too
+                return None
+            return self.store.version(space, number)
+
     def _hold(self, space: str, slot: int, number: int) -> None:
         held = self._held.setdefault(space, [])
         held.append(number)
@@ -100,8 +132,8 @@ class Held:
     def retire(self, active: Active) -> asyncio.Task[None] | None:
         """Stop serving `active`; its drop task if it was dropped at once (idle)."""
         self.freeing()  # what it frees would make the loads being measured look smaller
-        if self.active.get(active.imported.space) is active:
-            del self.active[active.imported.space]
+        if self.active.get(active.key) is active:
+            del self.active[active.key]
         active.retired = True
         if active.inflight == 0:
             self.drop(active)

@@ -51,6 +51,8 @@ class InferenceRoutes:
             if route.op == "infer":
                 owner, _, name = (route.model or "").partition("/")
                 scope["path_params"] = {"owner": owner, "name": name}
+                if route.version is not None:  # a kept version by name, as `owner/name@N`
+                    scope["path_params"]["version"] = route.version
                 scope["polyserve.route"] = route
                 await self.dispatch()(scope, receive, send)
                 return
@@ -89,9 +91,7 @@ class InferenceRoutes:
                 return routes.json_answer(status, {"name": space, "unloaded": True, **body})
             await self._warm(space)
             return routes.json_answer(200, {"name": space, "loaded": True})
-        meta = await self._thread(self._model_meta, space)
-        version = int(str(meta["version"]))
-        routes.check_version(space, route, version)
+        meta = await self._thread(self._model_meta, space, route.version)
         if op == "model_ready":
             return routes.json_answer(200, {"name": space, "ready": True})
         host = self.control.running
@@ -99,16 +99,26 @@ class InferenceRoutes:
         inputs = protocol.specs(meta.get("inputs")).values()
         outputs = protocol.specs(meta.get("outputs")).values()
         return routes.json_answer(
-            200, protocol.metadata(space, versions or [version], inputs, outputs)
+            200, protocol.metadata(space, versions or [int(str(meta["version"]))], inputs, outputs)
         )
 
-    def _model_meta(self, space: str) -> dict[str, object]:
-        """The current version's metadata of a model space; a 404 for anything else."""
+    def _model_meta(self, space: str, version: str | None = None) -> dict[str, object]:
+        """The metadata of a model space's current version, or of kept version `version`;
+        a 404 for anything else."""
         store = self.control.running.store
         current = store.current(space)
         meta = store.meta(space, current.number) if current is not None else None
         if meta is None:
             raise ProtocolError(f"no model {space}: it is not deployed", 404)
+        if version is not None and version != str(current.number if current else None):
+            kept = store.kept(space)
+            if not (version.isdigit() and version.isascii() and int(version) in kept):
+                raise ProtocolError(
+                    f"model {space} keeps no version {version[:40]!r}: it keeps {kept}", 404
+                )
+            meta = store.meta(space, int(version))
+            if meta is None:  # pruned since kept() looked
+                raise ProtocolError(f"model {space} keeps no version {version[:40]!r}", 404)
         if meta.get("kind") != "model":
             raise ProtocolError(
                 f"space {space} is not a model space: it answers its own routes under /s/{space}/",

@@ -28,6 +28,28 @@ class NotDeployed(Exception):
     """No version of this space is published (never deployed, deleted, or a bad name)."""
 
 
+class NotKept(Exception):
+    """A version called by name (`owner/name@N`) that the space does not keep: never
+    published, pruned, or its space deleted. `kept` lists the ones it keeps."""
+
+    def __init__(self, space: str, version: str, kept: list[int]) -> None:
+        super().__init__(f"space {space} keeps no version {version[:40]!r}")
+        self.space = space
+        self.version = version
+        self.kept = kept
+
+
+def callable_versions(store: Store, space: str) -> list[int]:
+    """The versions a request may call by name: those kept, none once deleted."""
+    return store.kept(space) if store.current(space) is not None else []
+
+
+def split_key(key: str) -> tuple[str, int | None]:
+    """A load's key: the space (its current version) or `owner/name@N` (kept version N)."""
+    space, at, number = key.partition("@")
+    return space, int(number) if at else None
+
+
 class OtherPool(Exception):
     """The space's current version runs in another pool than this fleet host's: it is
     neither imported nor fetched here."""
@@ -40,8 +62,10 @@ class OtherPool(Exception):
 
 
 class Loads:
-    """One worker's loads: one per space at a time, however many requests and signals
-    ask for it, each ending in the switch to the version it loaded."""
+    """One worker's loads: one per key at a time, however many requests and signals ask
+    for it, each ending in the switch to the version it loaded. A key is a space (its
+    current version) or `owner/name@N` (kept version N, called by name: loaded beside
+    the current one, in the same slot, and never swapped by a deploy)."""
 
     def __init__(
         self,
@@ -83,20 +107,21 @@ class Loads:
         # word moves (a deploy or a delete), a request for one is sent elsewhere at once.
         self._other_pool: dict[str, tuple[int, str]] = {}
 
-    def for_request(self, space: str) -> asyncio.Task[Active]:
+    def for_request(self, key: str) -> asyncio.Task[Active]:
         """The load a request waits for when the space's version here is stale or absent:
         the one under way, else a new one. A load started for an older generation may
         finish with an older version: the request looks again once it is done."""
-        slot = self.slots.get(space)
+        slot = self.slots.get(key)
         if slot is None:
-            slot = self._find_slot(space)
+            slot = self._find_slot(key)
         generation = self.broadcast.generation(slot)
-        other = self._other_pool.get(space)
+        other = self._other_pool.get(key)
         if other is not None and other[0] == generation and self.pool is not None:
-            raise OtherPool(space, other[1], self.pool)
-        return self.tasks.get(space) or self.start(space, slot, generation)
+            raise OtherPool(split_key(key)[0], other[1], self.pool)
+        return self.tasks.get(key) or self.start(key, slot, generation)
 
-    def _find_slot(self, space: str) -> int:
+    def _find_slot(self, key: str) -> int:
+        space = split_key(key)[0]
         try:
             parse_space(space)
         except ClientError:
@@ -108,40 +133,50 @@ class Loads:
             raise loader.LoadError(
                 f"space slot {slot} is outside the shared table: raise POLYSERVE_MAX_SPACES"
             )
-        self.slots[space] = slot
+        self.slots[key] = slot
         return slot
 
-    def start(self, space: str, slot: int, generation: int) -> asyncio.Task[Active]:
-        """Load once per space at a time, however many requests and signals ask for it."""
-        task = asyncio.create_task(self._load_once(space, slot, generation))
-        self.tasks[space] = task
+    def start(self, key: str, slot: int, generation: int) -> asyncio.Task[Active]:
+        """Load once per key at a time, however many requests and signals ask for it."""
+        task = asyncio.create_task(self._load_once(key, slot, generation))
+        self.tasks[key] = task
         # A load started by refresh() may have no awaiter: mark its error as seen (it is
         # logged in _load_once) so asyncio does not report it again at collection.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
-    async def _load_once(self, space: str, slot: int, generation: int) -> Active:
+    async def _load_once(self, key: str, slot: int, generation: int) -> Active:
         try:
-            return await self._load(space, slot, generation)
+            return await self._load(key, slot, generation)
         except (loader.LoadError, NoRoom) as exc:
-            log.warning("loading %s failed: %s", space, exc)
+            log.warning("loading %s failed: %s", key, exc)
             raise
         finally:
             # Unregister before the task is done: a done task left in tasks would let
             # lease() await it without yielding, in a loop that never ends.
-            del self.tasks[space]
+            del self.tasks[key]
 
-    async def _load(self, space: str, slot: int, generation: int) -> Active:
+    async def _load(self, key: str, slot: int, generation: int) -> Active:
         held = self.held
-        current = held.active.get(space)
+        space, number = split_key(key)
+        current = held.active.get(key)
         self.store.slots.refresh()
         if self.store.slots.slot(space) != slot:  # the space was deleted and its slot handed over
             if current is not None:
                 held.retire(current)
-            self.slots.pop(space, None)  # lease() looks it up again
-            slot = self._find_slot(space)
+            self.slots.pop(key, None)  # lease() looks it up again
+            slot = self._find_slot(key)
             generation = self.broadcast.generation(slot)
-        version = held.current(space, slot)
+        if number is None:
+            version = held.current(space, slot)
+        else:
+            # A kept version is found again at each bump: a deploy leaves it serving,
+            # a delete (or a prune, once unheld) ends it.
+            version = await held.kept(space, slot, number)
+            if version is None:
+                if current is not None:
+                    held.retire(current)
+                raise NotKept(space, str(number), callable_versions(self.store, space))
         if version is None:
             if current is not None:
                 held.retire(current)
@@ -151,7 +186,7 @@ class Loads:
             held.unhold(space, slot, version.number)
             if current is not None:  # redeployed into another pool
                 held.retire(current)
-            self._other_pool[space] = (generation, version.pool)
+            self._other_pool[key] = (generation, version.pool)
             raise OtherPool(space, version.pool, self.pool)
         releases = self.broadcast.releases(slot)
         if current is not None and current.version == version and current.releases == releases:
@@ -165,33 +200,34 @@ class Loads:
         # collected when it is dropped for room. It serves nobody new (lease checks the
         # generation); it is retired at the switch, or before, by the memory cap.
         del current
-        active, took_ms = await self._import(space, version, slot, generation, releases)
+        active, took_ms = await self._import(key, version, slot, generation, releases)
         # The switch: from here on new requests get the new version.
-        current = held.active.get(space)  # not if the reaper or the cap retired it
-        held.active[space] = active
+        current = held.active.get(key)  # not if the reaper or the cap retired it
+        held.active[key] = active
         if current is not None:
             held.retire(current)
         log.info(
-            "loaded %s v%d (%s) in %.1f ms", space, version.number, active.imported.kind, took_ms
+            "loaded %s v%d (%s) in %.1f ms", key, version.number, active.imported.kind, took_ms
         )
         return active
 
     async def _import(
-        self, space: str, version: Version, slot: int, generation: int, releases: int
+        self, key: str, version: Version, slot: int, generation: int, releases: int
     ) -> tuple[Active, float]:
         """`version` (held by the caller, let go here if this fails) imported and started,
         with room for it under the cap; and the milliseconds it took, room-making left
         out."""
         try:
-            return await self._measured(space, version, slot, generation, releases)
+            return await self._measured(key, version, slot, generation, releases)
         finally:
             # No await between this and the switch: a recycle cannot come between.
             if self.device is not None:
-                self.device.done(space)
+                self.device.done(key)
 
     async def _measured(
         self, space: str, version: Version, slot: int, generation: int, releases: int
     ) -> tuple[Active, float]:
+        """_import's work; `space` is the load's key, under which the caps know it."""
         cap, device = self.cap, self.device
         memory_before = device_before = 0
         try:
@@ -206,7 +242,7 @@ class Loads:
             imported = await anyio.to_thread.run_sync(
                 _import_version,
                 self.store,
-                space,
+                version.space,
                 version.number,
                 version.dir,
                 version.entry,
@@ -217,13 +253,13 @@ class Loads:
             await loader.start(imported, self.held.start_timeout)
         except BaseException:
             cap.abandon(space)
-            self.held.unhold(space, slot, version.number)
+            self.held.unhold(version.space, slot, version.number)
             raise
         # Memory the load added: approximate when other work runs at the same time.
         device_added = device.added(space, slot, device_before) if device is not None else 0
         self.meter.loaded(slot, started_us, anon_bytes() - anon_before, device_added)
         now = self.clock()
-        active = Active(imported, version, slot, generation, releases, last_used=now)
+        active = Active(imported, version, slot, generation, releases, last_used=now, key=space)
         if device is not None:
             device.track(space, active)
         if device is not None and device.limit:

@@ -116,21 +116,21 @@ class Estimates:
 
 class MemoryCap:
     """The bytes of anonymous RSS a worker keeps under (`limit`, 0: no cap), and the
-    loads it lets in; `pinned` says which spaces are never released for room (one
+    loads it lets in; `awaited` says which spaces are never released for room (one
     loading, or one a request waits for)."""
 
     def __init__(
         self,
         held: Held,
         meter: Meter,
-        pinned: Callable[[str], bool],
+        awaited: Callable[[str], bool],
         limit: int = 0,
         memory: Callable[[], int] = anon_bytes,
         room_wait_s: float = ROOM_WAIT_S,
     ) -> None:
         self.held = held
         self.meter = meter
-        self.pinned = pinned
+        self.awaited = awaited
         self.limit = limit
         self.memory = memory  # how it reads the memory it bounds
         self.room_wait_s = room_wait_s
@@ -302,14 +302,14 @@ class MemoryCap:
         idle = [
             a
             for name, a in self.held.active.items()
-            if a.inflight == 0 and name != space and not self.pinned(name)
+            if a.inflight == 0 and name != space and not self.awaited(name)
         ]
         idle.sort(key=lambda a: a.last_used)
         dropping = []
         for active in idle:
             self.meter.count_release(active.slot, Cell.RELEASED_MEMORY)
             dropping.append(self.held.retire(active))
-            excess -= self.estimates.sizes.get(active.imported.space, 0)
+            excess -= self.estimates.sizes.get(active.key, 0)
             if excess <= 0:
                 break
         return dropping

@@ -13,7 +13,7 @@ from starlette.types import Receive, Scope, Send
 
 from polyserve.errors import ClientError
 from polyserve.serve import loader
-from polyserve.serve.loading import NotDeployed, OtherPool
+from polyserve.serve.loading import NotDeployed, NotKept, OtherPool
 from polyserve.serve.memcap import NO_ROOM_RETRY_S, NoRoom
 
 if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
@@ -38,6 +38,14 @@ def refusal(
             " (POLYSERVE_REQUEST_TIMEOUT); its load goes on: retry"
         )
         return slot, 504, {"error": error, "space": space}, None
+    if isinstance(exc, NotKept):
+        if not exc.kept:  # deleted, or never deployed: as a plain request's answer
+            return None, 404, {"error": f"space {space} is not deployed", "space": space}, None
+        error = (
+            f"space {space} keeps no version {exc.version!r}: call one it keeps"
+            f" ({', '.join(map(str, exc.kept))}) as {space}@N, or {space} for the current one"
+        )
+        return None, 404, {"error": error, "space": space, "kept": exc.kept}, None
     if isinstance(exc, NotDeployed):
         return None, 404, {"error": f"space {space} is not deployed", "space": space}, None
     if isinstance(exc, NoRoom):

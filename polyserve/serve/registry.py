@@ -12,14 +12,14 @@ import anyio
 from polyserve.serve import loader
 from polyserve.serve.devcap import DeviceMemory, recycle_worker
 from polyserve.serve.held import Active, Held
-from polyserve.serve.loading import Loads, NotDeployed, OtherPool
+from polyserve.serve.loading import Loads, NotDeployed, NotKept, OtherPool, callable_versions
 from polyserve.serve.memcap import ROOM_WAIT_S, MemoryCap, NoRoom
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.store import Store, Version
 from polyserve.usage.meter import Cell, Meter, anon_bytes
 
 # What a caller of the registry catches, with the record of a leased version.
-__all__ = ["Active", "NoRoom", "NotDeployed", "OtherPool", "Registry"]
+__all__ = ["Active", "NoRoom", "NotDeployed", "NotKept", "OtherPool", "Registry"]
 
 
 class Registry:
@@ -45,6 +45,7 @@ class Registry:
         device_memory: Callable[[], int | None] | None = None,
         recycle: Callable[[], None] | None = None,
     ) -> None:
+        self.store = store
         self.broadcast = broadcast
         self.meter = meter
         self.idle_ttl = idle_ttl
@@ -54,7 +55,7 @@ class Registry:
         # The requests waiting for a load, which keep the space they wait for from being
         # released for room before they lease it.
         self._waiting: dict[str, int] = {}
-        self.cap = MemoryCap(self.held, meter, self._pinned, memory_cap, memory, room_wait_s)
+        self.cap = MemoryCap(self.held, meter, self._awaited, memory_cap, memory, room_wait_s)
         # What a release frees would make the loads being measured look smaller.
         self.held.freeing = self.cap.estimates.disturb
         # On a GPU worker (device_cap not None, 0 for no cap): its device memory.
@@ -63,7 +64,7 @@ class Registry:
             self.device = DeviceMemory(
                 self.held,
                 meter,
-                self._pinned,
+                self._awaited,
                 device_cap,
                 device_memory,
                 recycle or recycle_worker,
@@ -100,16 +101,48 @@ class Registry:
             active = self.lease_current(space)
             if active is not None:
                 return active
-            # Stale or absent: wait for a load, and look again.
-            task = self.loads.for_request(space)
-            self._waiting[space] = self._waiting.get(space, 0) + 1
-            try:
-                await asyncio.shield(task)  # a caller that gives up must not cancel the load
-            finally:
-                if self._waiting[space] == 1:
-                    del self._waiting[space]
-                else:
-                    self._waiting[space] -= 1
+            await self._wait(space)  # stale or absent: wait for a load, and look again
+
+    def lease_named(self, space: str, version: str) -> Active | None:
+        """lease_version() when it need not wait, the warm request for `owner/name@N`:
+        kept version N held under its key, else the current version when it is N (the
+        same Active as a plain request's). None otherwise. A name costs one dict lookup
+        more than lease_current (bench/NOTES.md, "A version by name")."""
+        active = self.active.get(f"{space}@{version}")
+        if active is None:
+            active = self.active.get(space)
+            if active is None or active.label != version:
+                return None
+        if active.generation == self.broadcast.generation(active.slot):
+            active.inflight += 1
+            return active
+        return None
+
+    async def lease_version(self, space: str, version: str) -> Active:
+        """Kept version `version` (as the URL gave it) to serve this request with, leased
+        until end_lease(). Raises NotKept for a version the space does not keep."""
+        if not (version.isascii() and version.isdigit()) or str(int(version)) != version:
+            raise NotKept(space, version, callable_versions(self.store, space))
+        key = f"{space}@{version}"
+        while True:
+            active = self.lease_named(space, version)
+            if active is not None:
+                return active
+            # The current version is loaded as the space's own (no second import);
+            # any other under its key, beside it.
+            current = self.store.current(space)
+            await self._wait(space if current and current.number == int(version) else key)
+
+    async def _wait(self, key: str) -> None:
+        task = self.loads.for_request(key)
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            await asyncio.shield(task)  # a caller that gives up must not cancel the load
+        finally:
+            if self._waiting[key] == 1:
+                del self._waiting[key]
+            else:
+                self._waiting[key] -= 1
 
     def end_lease(self, active: Active) -> None:
         active.inflight -= 1
@@ -118,9 +151,10 @@ class Registry:
             self.held.drop(active)
 
     def slot_of(self, space: str) -> int | None:
+        """The space's slot, if this worker has looked it up (for `owner/name@N` too)."""
         return self.loads.slots.get(space)
 
-    def _pinned(self, space: str) -> bool:
+    def _awaited(self, space: str) -> bool:
         """Whether the memory cap must not release the space: loading, or waited for."""
         return space in self.loads.tasks or space in self._waiting
 
@@ -144,7 +178,8 @@ class Registry:
                 self.loads.start(space, slot, generation)
 
     async def reap(self) -> list[str]:
-        """Release every space idle for idle_ttl; returns their names once dropped."""
+        """Release every space idle for idle_ttl; returns their keys once dropped (a
+        kept version by name: `owner/name@N`)."""
         now = self.clock()
         idle = [
             a
@@ -155,7 +190,7 @@ class Registry:
             self.meter.count_release(active.slot, Cell.RELEASED_IDLE)
             self.held.retire(active)
         await self.held.wait_dropped(idle)
-        return [a.imported.space for a in idle]
+        return [a.key for a in idle]
 
     async def reaper(self) -> None:
         """Run reap() forever, often enough that a space outlives its TTL by at most 25%."""

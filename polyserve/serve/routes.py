@@ -123,11 +123,13 @@ def server_metadata() -> dict[str, object]:
 
 
 def check_version(name: str, route: Route, current: int) -> None:
-    """A route naming a version calls the current one (kept versions are not callable yet)."""
+    """A route naming a version under a space's prefix names the version that prefix
+    serves (`/s/owner/name@N/` serves kept version N: docs/deploys.md)."""
     if route.version is not None and route.version != str(current):
         raise ProtocolError(
-            f"model {name} has no version {route.version[:40]!r} to call: its current"
-            f" version is {current} (or leave the version out)",
+            f"model {name} serves version {current} here, not {route.version[:40]!r}:"
+            " call a kept version under /s/{owner}/{name}@N/, or at the host's root as"
+            " /v2/models/{owner}/{name}/versions/N (or leave the version out)",
             404,
         )
 

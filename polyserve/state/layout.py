@@ -10,6 +10,7 @@ Layout under POLYSERVE_DATA_DIR::
     spaces/<owner>/<name>/versions/<n>/       immutable files of version n
     spaces/<owner>/<name>/versions/<n>.json   its metadata
     spaces/<owner>/<name>/history.jsonl       what happened (polyserve.state.history)
+    spaces/<owner>/<name>/pins                the pinned versions, a JSON list (never pruned)
     logs/<owner>/<name>/            the space's recent log records (polyserve.logs.logstore)
     secrets/<owner>/<name>.json     the space's secrets, mode 0600 (polyserve.state.secrets)
 
@@ -59,12 +60,14 @@ class Layout:
 
     def current(self, space: str) -> Version | None:
         """The published version `current` points at, or None if not deployed."""
-        sdir = self.space_dir(space)
-        number = current_number(sdir)
-        if number is None:
-            return None
+        number = current_number(self.space_dir(space))
+        return None if number is None else self.version(space, number)
+
+    def version(self, space: str, number: int) -> Version | None:
+        """Version `number` as a worker imports it, or None when its metadata is gone
+        (never published, pruned, or deleted between a readlink and here)."""
         meta = self.meta(space, number)
-        if meta is None:  # deleted between the readlink and here
+        if meta is None:
             return None
         # Versions published before pools existed say none: they are the default pool's.
         pool = str(meta.get("pool", DEFAULT_POOL))
@@ -76,7 +79,7 @@ class Layout:
             if isinstance(declared, dict)
             else None
         )
-        files = sdir / "versions" / str(number)
+        files = self.space_dir(space) / "versions" / str(number)
         sha256 = meta.get("sha256")
         return Version(
             space, number, files, str(meta["entry"]), pool, deps, str(sha256) if sha256 else None
@@ -125,6 +128,14 @@ class Layout:
         except FileNotFoundError:
             return []
         return sorted(int(n) for n in names if n.isdigit() and f"{n}.json" in names)
+
+    def pins(self, space: str) -> list[int]:
+        """The versions pinned in a space (Store.pin): pruning never removes them."""
+        try:
+            found = json.loads((self.space_dir(space) / "pins").read_bytes())
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in found)
 
     def versions(self, space: str) -> list[dict[str, object]]:
         """Each kept version's metadata, oldest first, with `current` marked."""

@@ -5,7 +5,8 @@ written again; only ``current`` moves (the layout is polyserve.state.layout's). 
 move of ``current`` (a deploy, a rollback, a delete) and each release appends an event
 to the space's history (polyserve.state.history), which is also what ranks versions for
 pruning: the last ``keep_versions`` versions that were made current stay, whatever their
-numbers.
+numbers, and so does every pinned version (``pin``), until it is unpinned or the space
+is deleted.
 """
 
 from __future__ import annotations
@@ -220,9 +221,39 @@ class Store(Layout):
             os.unlink(self.space_dir(space) / "current")
         except FileNotFoundError:
             return None
+        # Its pins go with it: a redeployed space starts with none.
+        (self.space_dir(space) / "pins").unlink(missing_ok=True)
         self.history.record(space, "delete", None, previous)
         access.drop(self.root, space)  # a space deployed again under the name starts public
         return self.slots.slot(space)
+
+    def pin(self, space: str, number: int) -> list[int]:
+        """Keep kept version `number` from pruning until unpin() (a rollout pins the
+        versions it names). Hold locked(); returns the pins. Raises ClientError 404 when
+        the space is not deployed or the version is not kept (the error lists the kept
+        ones)."""
+        if current_number(self.space_dir(space)) is None:
+            raise ClientError(404, f"space {space} is not deployed", space=space)
+        kept = self.kept(space)
+        if number not in kept:
+            raise ClientError(
+                404,
+                f"space {space} keeps no version {number} to pin: it keeps {kept}",
+                space=space,
+                kept=kept,
+            )
+        return self._write_pins(space, {*self.pins(space), number})
+
+    def unpin(self, space: str, number: int) -> list[int]:
+        """Let pruning remove version `number` again (from the next prune on). Hold
+        locked(); returns the pins left."""
+        return self._write_pins(space, set(self.pins(space)) - {number})
+
+    def _write_pins(self, space: str, pins: set[int]) -> list[int]:
+        found = sorted(pins)
+        with disk_full_is_507():
+            write_atomic(self.space_dir(space) / "pins", json.dumps(found).encode(), fsync=True)
+        return found
 
     def _drop_files(self, space: str, number: int) -> None:
         files = self.space_dir(space) / "versions" / str(number)
@@ -235,10 +266,11 @@ class Store(Layout):
 
     def prune(self, space: str, oldest_held: int | None) -> None:
         """Remove the versions nobody can use any more. Kept: the current one and the
-        ones made current most recently, keep_versions in all (none once the space is
-        deleted), and every version numbered from the oldest one a worker holds — a
-        draining request or a slow load may still read its files (a worker writes
-        only the oldest number it holds, so everything from there up stays). Hold
+        ones made current most recently, keep_versions in all, and the pinned ones (none
+        of them once the space is deleted), and every version numbered from the oldest
+        one a worker holds — a draining request or a slow load may still read its files
+        (a worker writes only the oldest number it holds, so everything from there up
+        stays). Hold
         locked()."""
         sdir = self.space_dir(space)
         current = current_number(sdir)
@@ -251,6 +283,7 @@ class Store(Layout):
         if current is not None:  # a deleted space keeps only what is held
             ranked = self.history.ranked(space, {number for number, _ in found})
             keep.update(ranked[: self.keep_versions])
+            keep.update(self.pins(space))
         for number, path in found:
             if number in keep or (oldest_held is not None and number >= oldest_held):
                 continue

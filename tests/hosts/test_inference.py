@@ -279,16 +279,17 @@ def test_infers_are_billed_exactly_and_metadata_and_health_are_not(host):
     assert found["busy_ms"] >= 0 and found["cold_starts"] >= 1
 
 
-def test_a_version_in_the_path_must_be_the_current_one(host):
+def test_a_version_in_the_path_at_the_root_calls_it_and_under_a_prefix_must_match(host):
     deploy_model(host, "lee/versioned", add(1.0))
     deploy_model(host, "lee/versioned", add(2.0))
     payload = {"inputs": [{"name": "X", "shape": [1, 4], "datatype": "FP32", "data": [0, 0, 0, 0]}]}
     ok = infer_json(host, "/v2/models/lee/versioned/versions/2/infer", payload)
     assert ok.status_code == 200 and ok.json()["outputs"][0]["data"] == [2.0] * 4
     old = infer_json(host, "/v2/models/lee/versioned/versions/1/infer", payload)
-    assert old.status_code == 404 and "current version is 2" in old.json()["error"]
+    assert old.status_code == 200 and old.json()["outputs"][0]["data"] == [1.0] * 4
+    # Under the plain prefix the current version serves: another is called as name@N.
     under = infer_json(host, "/s/lee/versioned/v2/models/versioned/versions/1/infer", payload)
-    assert under.status_code == 404 and "current version is 2" in under.json()["error"]
+    assert under.status_code == 404 and "serves version 2 here" in under.json()["error"]
     meta = host.get("/v2/models/lee/versioned").json()
     assert meta["versions"] == ["1", "2"]
 

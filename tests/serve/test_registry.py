@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from polyserve.serve import loader
-from polyserve.serve.registry import NoRoom, NotDeployed, OtherPool, Registry
+from polyserve.serve.registry import NoRoom, NotDeployed, NotKept, OtherPool, Registry
 from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.shm import Table
@@ -73,6 +73,17 @@ class World:
             return active.imported.module.VERSION
         finally:
             self.registry.end_lease(active)
+
+    async def call_named(self, space: str, version: str):
+        """A request for `space@version`, as dispatch leases it: (VERSION, the Active)."""
+        registry = self.registry
+        active = registry.lease_named(space, version) or await registry.lease_version(
+            space, version
+        )
+        try:
+            return active.imported.module.VERSION, active
+        finally:
+            registry.end_lease(active)
 
 
 def version(n: int, extra: str = "") -> str:
@@ -826,3 +837,92 @@ def test_a_size_measured_while_a_space_was_released_does_not_replace_the_estimat
 
     assert run(main()) == 1
     assert capped.registry.cap.estimates.sizes["o/x"] == 4 * MIB
+
+
+# -- a kept version by name (owner/name@N) ------------------------------------------------
+
+
+def test_a_kept_version_by_name_serves_beside_the_current_and_a_deploy_leaves_it(
+    world, monkeypatch
+):
+    calls = count_imports(monkeypatch)
+    world.deploy("o/s", version(1))
+    world.deploy("o/s", version(2))
+
+    async def main():
+        one, kept = await world.call_named("o/s", "1")
+        assert (one, await world.call("o/s")) == (1, 2)
+        assert kept.key == "o/s@1" and kept.slot == world.store.slots.slot("o/s")
+        world.deploy("o/s", version(3))
+        world.registry.refresh()  # the signal a deploy sends
+        await asyncio.sleep(0)
+        again, same = await world.call_named("o/s", "1")
+        assert (again, await world.call("o/s")) == (1, 3)
+        assert same is kept and not kept.retired
+        assert sorted(world.registry.active) == ["o/s", "o/s@1"]
+
+    run(main())
+    assert calls == ["o/s", "o/s", "o/s"]  # v1 and v2, then v3: v1 was not imported again
+
+
+def test_the_current_version_by_name_is_the_plain_requests_own(world, monkeypatch):
+    calls = count_imports(monkeypatch)
+    world.deploy("o/s", version(1))
+
+    async def main():
+        first, named = await world.call_named("o/s", "1")  # loaded as the space itself
+        assert first == 1 and named is world.registry.active["o/s"]
+        assert await world.call("o/s") == 1
+        assert list(world.registry.active) == ["o/s"]
+
+    run(main())
+    assert calls == ["o/s"]
+
+
+def test_a_version_the_space_does_not_keep_raises_not_kept_with_the_kept_ones(world):
+    world.deploy("o/s", version(1))
+    world.deploy("o/s", version(2))
+
+    async def main():
+        for asked in ("3", "0", "01", "x", "²"):
+            with pytest.raises(NotKept) as err:
+                await world.call_named("o/s", asked)
+            assert err.value.kept == [1, 2] and err.value.version == asked
+        with pytest.raises(NotDeployed):
+            await world.call_named("o/none", "1")
+
+    run(main())
+
+
+def test_a_kept_version_held_by_name_is_not_pruned_until_it_is_let_go(world):
+    world.deploy("o/s", version(1))
+    world.deploy("o/s", version(2))
+    world.store.keep_versions = 1  # from the next deploy on
+
+    async def main():
+        assert (await world.call_named("o/s", "1"))[0] == 1
+        world.deploy("o/s", version(3))  # keeps only v3, and what a worker holds
+        assert world.store.kept("o/s") == [1, 2, 3]
+        assert (await world.call_named("o/s", "1"))[0] == 1
+        assert await world.reap_at(TTL + 1) == ["o/s@1"]
+        assert world.store.kept("o/s") == [3]
+        with pytest.raises(NotKept) as err:
+            await world.call_named("o/s", "1")
+        assert err.value.kept == [3]
+
+    run(main())
+
+
+def test_a_delete_ends_a_kept_version_by_name(world):
+    world.deploy("o/s", version(1))
+    world.deploy("o/s", version(2))
+
+    async def main():
+        assert (await world.call_named("o/s", "1"))[0] == 1
+        world.delete("o/s")
+        with pytest.raises(NotKept) as err:
+            await world.call_named("o/s", "1")
+        assert err.value.kept == []
+        assert "o/s@1" not in world.registry.active
+
+    run(main())

@@ -407,3 +407,40 @@ def test_a_history_that_cannot_be_written_does_not_fail_the_change(store, caplog
     assert publish(store, "o/s", {"main.py": "A = 1\n"}) == (0, 2)
     assert store.current("o/s").number == 2
     assert "could not record the deploy" in caplog.text
+
+
+def test_a_pinned_version_is_kept_by_every_prune_until_it_is_unpinned(store):
+    publish(store, "o/s", {"main.py": "A = 1\n"})
+    with store.locked():
+        assert store.pin("o/s", 1) == [1]
+    for i in range(KEEP_VERSIONS + 2):
+        publish(store, "o/s", {"main.py": f"A = {i + 2}\n"})
+    newest = KEEP_VERSIONS + 3
+    assert store.kept("o/s") == [1, *range(newest - KEEP_VERSIONS + 1, newest + 1)]
+    assert store.pins("o/s") == [1]
+    with store.locked():
+        assert store.unpin("o/s", 1) == []
+        store.prune("o/s", oldest_held=None)
+    assert store.kept("o/s") == list(range(newest - KEEP_VERSIONS + 1, newest + 1))
+
+
+def test_only_a_kept_version_of_a_deployed_space_can_be_pinned(store):
+    with store.locked(), pytest.raises(ClientError) as err:
+        store.pin("o/s", 1)
+    assert err.value.status == 404 and "not deployed" in err.value.error
+    publish(store, "o/s", {"main.py": "A = 1\n"})
+    with store.locked(), pytest.raises(ClientError) as err:
+        store.pin("o/s", 2)
+    assert err.value.status == 404 and err.value.details["kept"] == [1]
+
+
+def test_a_delete_drops_the_pins_and_their_versions_go_once_unheld(store):
+    publish(store, "o/s", {"main.py": "A = 1\n"})
+    publish(store, "o/s", {"main.py": "A = 2\n"})
+    with store.locked():
+        store.pin("o/s", 1)
+        store.delete("o/s")
+        store.prune("o/s", oldest_held=None)
+    assert store.pins("o/s") == [] and store.kept("o/s") == []
+    publish(store, "o/s", {"main.py": "A = 3\n"})  # a redeployed space starts unpinned
+    assert store.pins("o/s") == []
