@@ -50,7 +50,7 @@ def wheels(tmp_path: Path) -> Path:
     return wheelhouse(tmp_path / "wheels")
 
 
-def start(host_factory, url: str, name: str, find_links: Path) -> HostProcess:
+def start(host_factory, url: str, name: str, find_links: Path, **env: str) -> HostProcess:
     """A 1-worker host `name` of the fleet at `url`, installing only from `find_links`."""
     return host_factory(
         name,
@@ -60,6 +60,7 @@ def start(host_factory, url: str, name: str, find_links: Path) -> HostProcess:
         POLYSERVE_DEPS_OFFLINE="1",
         POLYSERVE_DEPS_FIND_LINKS=str(find_links),
         **FAST,
+        **env,
     )
 
 
@@ -201,6 +202,32 @@ def test_a_host_joining_far_behind_installs_the_sets_of_the_fleets_pointers(
     assert serves(d, "d/app") == "2.0"
     assert sets(d) == sets(a)
     assert CLIENT.get(d.url + "/s/p/s0/").text == "plain"
+
+
+def test_a_host_restarted_into_a_versions_pool_installs_its_set_on_first_use(
+    host_factory, fleet_db, wheels
+):
+    """A CPU host keeps only the pointer of a GPU-pool version (no bytes, no set); restarted
+    into the GPU pool, its first request fetches the files and installs the set."""
+    g = start(host_factory, fleet_db, "g", wheels, POLYSERVE_POOL="gpu")
+    c = start(host_factory, fleet_db, "c", wheels)
+    wait_live(g, {"g", "c"})
+    manifest = f'pool = "gpu"\ndependencies = ["{TESTPKG}==2.0"]\n'
+    files = {"main.py": USES_TESTPKG, "polyserve.toml": manifest}
+    r = CLIENT.post(
+        g.url + "/_polyserve/deploy",
+        data={"space": "d/gpu"},
+        files={"module": ("space.tar", make_tar(files))},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["hosts"] == {"applied": 2, "live": 2}
+    assert sets(c) == set()  # another pool's version: only its pointer here
+
+    c.extra_env["POLYSERVE_POOL"] = "gpu"
+    c.stop()
+    c.start()
+    assert serves(c, "d/gpu") == "2.0"
+    assert sets(c) == sets(g)
 
 
 def test_the_follower_heartbeats_while_a_set_installs(tmp_path):
