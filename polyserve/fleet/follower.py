@@ -51,7 +51,10 @@ class Follower:
         # (None: not joined yet, so nothing to write: the next boot bills it all).
         self.baseline: Totals | None = None
         self.db = FleetDB(settings.database_url, settings.fleet_timeout_s)
-        self.catchup = CatchUp(settings, self.db, Changes(store, broadcast), self._beat)
+        self.catchup = CatchUp(settings, self.db, Changes(store, broadcast), self._installing)
+        # This boot's first heartbeat makes it live, and comes after its first catch-up:
+        # an install during that one (a joining host) heartbeats nothing.
+        self._beaten = False
         self.stop = threading.Event()
         self._usage_at = 0.0  # monotonic time of the last usage write
 
@@ -85,18 +88,24 @@ class Follower:
             listener.close()
 
     def _beat(self) -> bool:
-        """Heartbeat with the last change applied; False when this boot was replaced. Also
-        called while catch-up installs a dependency set (which may take minutes): the
-        host stays live and healthy, serving what it applied, until the install is done."""
+        """Heartbeat with the last change applied; False when this boot was replaced."""
         s = self.settings
         acknowledged = (self._workers(), self.catchup.applied, self.catchup.token)
         if not self.db.heartbeat(s.host_id, self.boot.id, *acknowledged):
             self._replaced()  # during an install: it finishes, then the loop stops
             return False
+        self._beaten = True
         # The workers' health answers 200 only while this is recent (control/plane.py):
         # a load balancer then sends no requests to a host that may be behind.
         self.broadcast.table.set_header(H_FOLLOWED, meter.now_us())
         return True
+
+    def _installing(self) -> None:
+        """Catch-up's call while a dependency set installs (which may take minutes): a
+        host that was live stays live and healthy, serving what it applied, until the
+        install is done; a boot that has not caught up once stays not live."""
+        if self._beaten:
+            self._beat()
 
     def _wait(self, listener: psycopg.Connection) -> None:
         """Until the first NOTIFY, the poll interval (the backstop), the next usage write,

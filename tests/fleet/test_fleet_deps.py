@@ -9,7 +9,9 @@ the answer and serves no older version than the fleet's.
 from __future__ import annotations
 
 import asyncio
+import http.server
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -52,16 +54,9 @@ def wheels(tmp_path: Path) -> Path:
 
 def start(host_factory, url: str, name: str, find_links: Path, **env: str) -> HostProcess:
     """A 1-worker host `name` of the fleet at `url`, installing only from `find_links`."""
-    return host_factory(
-        name,
-        workers=1,
-        POLYSERVE_DATABASE_URL=url,
-        POLYSERVE_HOST_ID=name,
-        POLYSERVE_DEPS_OFFLINE="1",
-        POLYSERVE_DEPS_FIND_LINKS=str(find_links),
-        **FAST,
-        **env,
-    )
+    deps = {"POLYSERVE_DEPS_OFFLINE": "1", "POLYSERVE_DEPS_FIND_LINKS": str(find_links)}
+    fleet = {"POLYSERVE_DATABASE_URL": url, "POLYSERVE_HOST_ID": name, **FAST}
+    return host_factory(name, workers=1, **fleet, **(deps | env))
 
 
 def deploy(host: HostProcess, space: str, version: str) -> httpx.Response:
@@ -202,6 +197,118 @@ def test_a_host_joining_far_behind_installs_the_sets_of_the_fleets_pointers(
     assert serves(d, "d/app") == "2.0"
     assert sets(d) == sets(a)
     assert CLIENT.get(d.url + "/s/p/s0/").text == "plain"
+
+
+def b_beats(a: HostProcess, n: int) -> None:
+    """Until host b's heartbeat has moved on `n` times, as host a's fleet view says."""
+    for _ in range(n):
+        seen = {h["id"]: h["last_seen"] for h in fleet(a)["hosts"]}["b"]
+        until(
+            lambda: {h["id"]: h["last_seen"] for h in fleet(a)["hosts"]}["b"] > seen,  # noqa: B023
+            what="B to heartbeat while it installs",
+        )
+
+
+class GatedIndex:
+    """A PEP 503 package index of a wheel directory on 127.0.0.1 whose project pages are
+    held until `gate` is set: an index as slow as a test wants. `asks` counts the
+    project pages asked for."""
+
+    def __init__(self, wheels: Path) -> None:
+        self.gate = threading.Event()
+        self.asks = 0
+        index = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                parts = self.path.strip("/").split("/")
+                if parts[0] == "simple" and len(parts) == 2:
+                    index.asks += 1  # one thread per request; a test reads it only
+                    index.gate.wait(60)  # bounded: a test that never opens it fails
+                    norm = parts[1].replace("-", "_")
+                    links = "".join(
+                        f'<a href="/files/{w.name}">{w.name}</a>'
+                        for w in sorted(wheels.glob(f"{norm}-*.whl"))
+                    )
+                    self._send(f"<html><body>{links}</body></html>".encode(), "text/html")
+                elif parts[0] == "files" and len(parts) == 2:
+                    self._send((wheels / parts[1]).read_bytes(), "application/octet-stream")
+                else:
+                    self.send_error(404)
+
+            def _send(self, body: bytes, kind: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.gate.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def gated(wheels) -> Iterator[GatedIndex]:
+    index = GatedIndex(wheels)
+    try:
+        yield index
+    finally:
+        index.close()
+
+
+def test_a_follower_installing_a_set_stays_live_and_serves_the_previous_version(
+    host_factory, fleet_db, wheels, gated, tmp_path
+):
+    """B installs from an index that holds its answer: meanwhile B heartbeats (live, its
+    health 200), serves v1, and the deploy answers 202 naming B as lagging; a host that
+    joins meanwhile is not live until its own install is done. Once the index answers,
+    both serve v2."""
+    a = start(host_factory, fleet_db, "a", wheels, POLYSERVE_DEPLOY_WAIT_S="1")
+    index = {"POLYSERVE_DEPS_OFFLINE": "0", "POLYSERVE_DEPS_INDEX_URL": gated.url}
+    none = tmp_path / "no-wheels"  # B and D install from the index only
+    none.mkdir()
+    b = start(host_factory, fleet_db, "b", none, **index)
+    wait_live(a, {"a", "b"})
+    plain = {"main.py": "def handle(request):\n    return {'version': 'plain', 'metadata':"
+             " 'plain', 'sub': 'sub of plain'}\n"}  # fmt: skip
+    r = CLIENT.post(
+        a.url + "/_polyserve/deploy",
+        data={"space": "d/app"},
+        files={"module": ("space.tar", make_tar(plain))},
+    )
+    assert r.status_code == 200, r.text
+
+    r = deploy(a, "d/app", "2.0")
+    assert r.status_code == 202, r.text
+    assert r.json()["hosts"] == {"applied": 1, "live": 2, "lagging": ["b"]}
+    assert gated.asks == 1  # B is installing, from the index
+    b_beats(a, 1)
+    assert {h["id"] for h in fleet(a)["hosts"] if h["live"]} == {"a", "b"}
+    assert CLIENT.get(b.url + "/_polyserve/health").status_code == 200
+    assert serves(b, "d/app") == "plain"
+
+    d = start(host_factory, fleet_db, "d", none, **index)  # joins, and installs too
+    until(lambda: gated.asks == 2, what="D to ask the index")
+    b_beats(a, 2)  # as many poll intervals as D would have heartbeaten in
+    assert "d" not in {h["id"] for h in fleet(a)["hosts"] if h["live"]}
+
+    gated.gate.set()
+    wait_live(a, {"a", "b", "d"})
+    last = fleet(a)["last_change"]
+    until(
+        lambda: all(h["applied"] == last for h in fleet(a)["hosts"]),
+        what="every host to apply v2",
+    )
+    assert [serves(h, "d/app") for h in (a, b, d)] == ["2.0"] * 3
 
 
 def test_a_host_restarted_into_a_versions_pool_installs_its_set_on_first_use(
