@@ -24,6 +24,7 @@ from polyserve.logs.logstore import LogStore
 from polyserve.serve import warmup
 from polyserve.serve.deadlines import Deadlines
 from polyserve.serve.dispatch import Dispatch
+from polyserve.serve.gate import Gate
 from polyserve.serve.registry import Registry
 from polyserve.state import handoff
 from polyserve.state.broadcast import SIGNAL, Broadcast
@@ -113,7 +114,9 @@ async def running_host(
         table=table,
         broadcast=broadcast,
         registry=registry,
-        dispatch=Dispatch(registry, meter, deadlines, pools, s.max_infer_mb << 20),
+        dispatch=Dispatch(
+            registry, meter, deadlines, pools, s.max_infer_mb << 20, Gate(store, table, clock)
+        ),
         deploys=Deploys(
             s,
             store,

@@ -115,3 +115,9 @@ def test_the_gpu_check_runs_its_onnx_part_without_a_gpu():
     assert result["onnx"]["gpu_host"]["deploy"] == 422
     assert "CPUExecutionProvider" in result["onnx"]["gpu_host"]["refusal"]["error"]
     assert result["onnx"]["cpu_host"]["infer"]["status"] == 200
+
+
+def test_gate_bench_runs_one_short_round():
+    result = run_bench("gate_bench.py", "--rounds", "1", "--n", "1000")
+    assert result["scenario"] == "gate" and result["rounds"] == 1
+    assert result["baseline_ns_p50"] > 0 and "private_8_keys_ns_p50" in result

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import click
 
-from polyserve.cli import dev, reads, scale, writes
+from polyserve.cli import dev, keys, reads, scale, writes
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,9 +31,11 @@ for command in (
     writes.rollback,
     writes.release,
     writes.delete,
+    writes.secret,
     reads.list_spaces,
     reads.usage,
     reads.history,
+    keys.keys,
     reads.logs,
     scale.autoscale,
     dev.dev,

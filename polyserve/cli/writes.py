@@ -1,4 +1,4 @@
-"""The commands that change a host's spaces: deploy, rollback, release, delete."""
+"""The commands that change a host's spaces: deploy, rollback, release, delete, secret."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from polyserve.cli.command import (
     host_client,
     host_options,
     json_option,
+    print_table,
 )
-from polyserve.cli.render import human_bytes, human_ms, plural
+from polyserve.cli.render import human_bytes, human_ms, human_time, plural
 
 
 @click.command(cls=HostCommand, short_help="Deploy a .py file, a tar or a directory.")
@@ -145,6 +146,72 @@ def delete(space: str, yes: bool, url: str, token: str, timeout: float) -> None:
             sys.exit(EXIT_USAGE)
     status, body = client.call("DELETE", space_path(space))
     click.echo(f"deleted {space}{_hosts(body)}")
+    _lagging(status, body)
+
+
+@click.group(short_help="Set, list and unset a space's secrets.")
+def secret() -> None:
+    """A space's secrets, which its code reads with polyserve.secrets.get("NAME").
+
+    Values are never printed back: `list` shows names and when each was set. A change
+    reloads the space; once the command returns, every worker serves the new value.
+    """
+
+
+@secret.command("set", cls=HostCommand, short_help="Set a secret (value from stdin).")
+@click.argument("space", type=SPACE)
+@click.argument("name")
+@click.option(
+    "--value",
+    help="The value (it then shows in your shell's history and `ps`: prefer stdin).",
+)
+@host_options
+def secret_set(
+    space: str, name: str, value: str | None, url: str, token: str, timeout: float
+) -> None:
+    """Set secret NAME of SPACE. The value is read from stdin (one trailing newline
+    dropped), asked for without echo on a terminal, or given with --value."""
+    if value is None:
+        if sys.stdin.isatty():
+            value = click.prompt(f"value of {name}", hide_input=True, err=True)
+        else:
+            value = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
+            value = value.removesuffix("\n").removesuffix("\r")
+    data = value.encode("utf-8", "surrogateescape")
+    client = host_client(url, token, timeout)
+    status, body = client.call(
+        "PUT",
+        space_path(space, "secrets", name),
+        body=data,
+        content_type="text/plain; charset=utf-8",
+    )
+    click.echo(f"set secret {name} of {space} ({plural(len(data), 'byte')}){_hosts(body)}")
+    _lagging(status, body)
+
+
+@secret.command("list", cls=HostCommand, short_help="A space's secrets: names, never values.")
+@click.argument("space", type=SPACE)
+@json_option
+@host_options
+def secret_list(space: str, as_json: bool, url: str, token: str, timeout: float) -> None:
+    """The names of SPACE's secrets and when each was set."""
+    answer = host_client(url, token, timeout).get(space_path(space, "secrets"))
+    if as_json:
+        click.echo(json.dumps(answer))
+        return
+    rows = [[s["name"], human_time(s.get("updated_at"))] for s in answer["secrets"]]
+    print_table(["NAME", "UPDATED"], rows, empty=f"{space} has no secrets")
+
+
+@secret.command("unset", cls=HostCommand, short_help="Remove a secret.")
+@click.argument("space", type=SPACE)
+@click.argument("name")
+@host_options
+def secret_unset(space: str, name: str, url: str, token: str, timeout: float) -> None:
+    """Remove secret NAME of SPACE."""
+    client = host_client(url, token, timeout)
+    status, body = client.call("DELETE", space_path(space, "secrets", name))
+    click.echo(f"unset secret {name} of {space}{_hosts(body)}")
     _lagging(status, body)
 
 

@@ -11,6 +11,7 @@ from typing import Any, get_args
 from polyserve import __version__
 from polyserve.control.schemas import SCHEMAS
 from polyserve.names import PART
+from polyserve.state.secrets import NAME as SECRET_NAME
 from polyserve.usage.answer import Only
 
 NAME_PART = f"^{PART}$"
@@ -37,6 +38,12 @@ _SPACE_PARAMS = [
     }
     for part in ("owner", "name")
 ]
+_SECRET_PARAM = {
+    "name": "secret",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": f"^{SECRET_NAME.pattern}$"},
+}
 _WRITE_ERRORS = {
     "401": _error("a token is required, or the one sent is not valid"),
     "403": _error("this client or token may not write this space"),
@@ -176,6 +183,61 @@ SPEC: dict[str, Any] = {
                 },
             }
         },
+        "/_polyserve/spaces/{owner}/{name}/secrets": {
+            "get": {
+                "summary": "A space's secrets: each name and when it was set, never a value",
+                "description": "Reading them takes the right to deploy the space"
+                " (docs/secrets.md).",
+                "security": [{}, {"bearer": []}],
+                "parameters": _SPACE_PARAMS,
+                "responses": {
+                    "200": _json("names", {"$ref": "#/components/schemas/Secrets"}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed"),
+                    "422": _error("the space name is not valid"),
+                },
+            }
+        },
+        "/_polyserve/spaces/{owner}/{name}/secrets/{secret}": {
+            "put": {
+                "summary": "Set a secret of a space (the body is its value); the space reloads",
+                "description": "The space reads it with polyserve.secrets.get(NAME) from its"
+                " next load on: once this answers 200, every worker (every live host) serves"
+                " it with the new value. The answer never holds the value.",
+                "security": [{}, {"bearer": []}],
+                "parameters": [*_SPACE_PARAMS, _SECRET_PARAM],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        # 64 KiB of UTF-8: at most 4 bytes a character
+                        "text/plain": {"schema": {"type": "string", "maxLength": 16384}},
+                    },
+                },
+                "responses": {
+                    "200": _json("set", {"$ref": "#/components/schemas/SecretChanged"}),
+                    "202": _json(_FLEET_202, {"$ref": "#/components/schemas/SecretChanged"}),
+                    "400": _error("the secret's name is not valid, or its value is not UTF-8"),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed"),
+                    "409": _error("the space has 100 secrets already: unset one first"),
+                    "413": _error("the value is larger than 64 KiB"),
+                    "422": _error("the space name is not valid"),
+                },
+            },
+            "delete": {
+                "summary": "Unset a secret of a space; the space reloads",
+                "security": [{}, {"bearer": []}],
+                "parameters": [*_SPACE_PARAMS, _SECRET_PARAM],
+                "responses": {
+                    "200": _json("unset", {"$ref": "#/components/schemas/SecretChanged"}),
+                    "202": _json(_FLEET_202, {"$ref": "#/components/schemas/SecretChanged"}),
+                    "400": _error("the secret's name is not valid"),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed, or has no secret by that name"),
+                    "422": _error("the space name is not valid"),
+                },
+            },
+        },
         "/_polyserve/spaces/{owner}/{name}/logs": {
             "get": {
                 "summary": "A space's recent log records from every worker, oldest first",
@@ -197,6 +259,99 @@ SPEC: dict[str, Any] = {
                     **_WRITE_ERRORS,
                     "404": _error("the space is not deployed"),
                     "422": _error("the space name or `since` is not valid"),
+                },
+            }
+        },
+        "/_polyserve/spaces/{owner}/{name}/keys": {
+            "get": {
+                "summary": "A space's access: private or not, and its keys' ids and rates"
+                " (never a key, never a digest; docs/private-spaces.md)",
+                "security": [{}, {"bearer": []}],
+                "parameters": _SPACE_PARAMS,
+                "responses": {
+                    "200": _json("access", {"$ref": "#/components/schemas/Access"}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed"),
+                    "422": _error("the space name is not valid"),
+                },
+            },
+            "post": {
+                "summary": "Mint a key for the space: the key is in this answer only",
+                "security": [{}, {"bearer": []}],
+                "parameters": _SPACE_PARAMS,
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "rate": {
+                                        "type": "number",
+                                        "exclusiveMinimum": 0,
+                                        "description": "requests per second, per worker",
+                                    }
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json("minted", {"$ref": "#/components/schemas/Minted"}),
+                    "202": _json(_FLEET_202, {"$ref": "#/components/schemas/Minted"}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed"),
+                    "409": _error("the space has 8 keys already: revoke one first"),
+                    "422": _error("the space name or the body is not valid, and why"),
+                },
+            },
+        },
+        "/_polyserve/spaces/{owner}/{name}/keys/{key_id}": {
+            "delete": {
+                "summary": "Revoke a key: once this answers 200, no worker takes it",
+                "security": [{}, {"bearer": []}],
+                "parameters": [
+                    *_SPACE_PARAMS,
+                    {
+                        "name": "key_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string"},
+                    },
+                ],
+                "responses": {
+                    "200": _json("revoked", {"type": "object", "required": ["id", "revoked"]}),
+                    "202": _json(_FLEET_202, {"type": "object", "required": ["id", "revoked"]}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed, or has no such key"),
+                },
+            }
+        },
+        "/_polyserve/spaces/{owner}/{name}/access": {
+            "put": {
+                "summary": "Make a space private (only its keys pass) or public",
+                "security": [{}, {"bearer": []}],
+                "parameters": _SPACE_PARAMS,
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": ["private"],
+                                "properties": {"private": {"type": "boolean"}},
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json("access", {"$ref": "#/components/schemas/Access"}),
+                    "202": _json(_FLEET_202, {"$ref": "#/components/schemas/Access"}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed"),
+                    "422": _error("the space name or the body is not valid, and why"),
                 },
             }
         },
@@ -265,7 +420,18 @@ SPEC: dict[str, Any] = {
                             }
                         },
                     },
+                    "401": _error(
+                        "a private space: no `Authorization: Bearer <key>`, or not one of"
+                        " its keys (docs/private-spaces.md); counted nowhere"
+                    ),
                     "404": _error("the space is not deployed"),
+                    "429": {
+                        "description": "the key's rate is spent: retry after Retry-After s",
+                        "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+                        "content": {
+                            "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                        },
+                    },
                     "503": {
                         "description": "in a fleet, a space of another pool that has no live"
                         " host (the demand is recorded, so one is started), or the fleet's"

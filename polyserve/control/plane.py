@@ -29,6 +29,8 @@ from polyserve.control.auth import Auth
 from polyserve.deploy.deploys import rollback_request
 from polyserve.errors import ClientError
 from polyserve.host import Host
+from polyserve.state import access
+from polyserve.state import secrets as secret_files
 from polyserve.state.shm import H_FOLLOWED
 from polyserve.usage import prometheus
 from polyserve.usage.answer import Only
@@ -68,6 +70,19 @@ class ControlPlane:
             Route("/_polyserve/spaces/{owner}/{name}/versions", self.versions, methods=["GET"]),
             Route("/_polyserve/spaces/{owner}/{name}/rollback", self.rollback, methods=["POST"]),
             Route("/_polyserve/spaces/{owner}/{name}/logs", self.logs, methods=["GET"]),
+            Route("/_polyserve/spaces/{owner}/{name}/keys", self.keys, methods=["GET", "POST"]),
+            Route(
+                "/_polyserve/spaces/{owner}/{name}/keys/{key_id}",
+                self.revoke_key,
+                methods=["DELETE"],
+            ),
+            Route("/_polyserve/spaces/{owner}/{name}/access", self.access, methods=["PUT"]),
+            Route("/_polyserve/spaces/{owner}/{name}/secrets", self.secrets, methods=["GET"]),
+            Route(
+                "/_polyserve/spaces/{owner}/{name}/secrets/{secret}",
+                self.secret,
+                methods=["PUT", "DELETE"],
+            ),
             Route("/_polyserve/", self.dashboard, methods=["GET"]),
             Route("/_polyserve/usage", self.usage, methods=["GET"]),
             Route("/_polyserve/health", self.health, methods=["GET"]),
@@ -154,6 +169,56 @@ class ControlPlane:
         return Response(
             orjson.dumps({"records": records, "next": after}), media_type="application/json"
         )
+
+    async def keys(self, request: Request) -> Response:
+        """GET: the space's access and its keys' ids (never a key); POST: mint a key,
+        shown in this answer only. The body is nothing or {"rate": N}."""
+        space = self._space_to_write(request)  # a key is the owner's to see and mint
+        keys = self.running.deploys.keys
+        if request.method == "GET":
+            return JSONResponse(await keys.read(space))
+        rate = access.parse_rate(await _small_body(request, 'nothing or {"rate": N}'))
+        status, body = await keys.mint(space, rate)
+        return JSONResponse(body, status_code=status, headers={"cache-control": "no-store"})
+
+    async def revoke_key(self, request: Request) -> Response:
+        """Revoke a key: once this answers 200, no worker (no live host) takes it."""
+        space = self._space_to_write(request)
+        key_id = request.path_params["key_id"]
+        status, body = await self.running.deploys.keys.revoke(space, key_id)
+        return JSONResponse(body, status_code=status)
+
+    async def access(self, request: Request) -> Response:
+        """Make a space private ({"private": true}: only its keys pass) or public."""
+        space = self._space_to_write(request)
+        private = access.parse_private(await _small_body(request, '{"private": true|false}'))
+        status, body = await self.running.deploys.keys.set_private(space, private)
+        return JSONResponse(body, status_code=status)
+
+    async def secrets(self, request: Request) -> Response:
+        """A space's secrets: names and when each was set, never a value."""
+        space = self._space_to_write(request)
+        return JSONResponse(await self.running.deploys.secret_names(space))
+
+    async def secret(self, request: Request) -> Response:
+        """PUT: the body is the value (UTF-8, up to 64 KiB); DELETE: unset it. Either
+        reloads the space; the answer never holds the value."""
+        space = self._space_to_write(request)  # before the body is read
+        name = secret_files.check_name(request.path_params["secret"])
+        deploys = self.running.deploys
+        if request.method == "DELETE":
+            status, body = await deploys.unset_secret(space, name)
+            return JSONResponse(body, status_code=status)
+        limit = secret_files.MAX_VALUE
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise secret_files.too_large(int(length))
+        try:
+            value = await Request(request.scope, _limited(request.receive, limit)).body()
+        except _TooLarge:
+            raise secret_files.too_large(None) from None
+        status, body = await deploys.set_secret(space, name, secret_files.check_value(value))
+        return JSONResponse(body, status_code=status)
 
     async def dashboard(self, request: Request) -> Response:
         return dashboard.response()
@@ -256,6 +321,13 @@ def _cursor(text: str) -> int:
             422, "since must be a whole number of at least 0: the `next` of an earlier answer"
         )
     return int(text)
+
+
+async def _small_body(request: Request, expected: str) -> bytes:
+    try:
+        return await Request(request.scope, _limited(request.receive, 1 << 16)).body()
+    except _TooLarge:
+        raise ClientError(413, f"the body is too large: send {expected}") from None
 
 
 def _limited(receive: Receive, limit: int) -> Receive:

@@ -25,6 +25,37 @@ SCHEMAS: dict[str, Any] = {
         "required": ["error"],
         "properties": {"error": {"type": "string"}},
     },
+    "Access": {
+        "type": "object",
+        "required": ["space", "private", "keys"],
+        "properties": {
+            "space": {"type": "string"},
+            "private": {"type": "boolean"},
+            "keys": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["id"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "rate": {"type": ["number", "null"]},
+                        "created": {"type": "number"},
+                    },
+                },
+            },
+        },
+    },
+    "Minted": {
+        "type": "object",
+        "required": ["space", "id", "key"],
+        "properties": {
+            "space": {"type": "string"},
+            "id": {"type": "string"},
+            "key": {"type": "string", "description": "shown this once: only its digest is kept"},
+            "rate": {"type": ["number", "null"]},
+            "private": {"type": "boolean"},
+        },
+    },
     "Deployed": {
         "type": "object",
         "required": [
@@ -126,6 +157,39 @@ SCHEMAS: dict[str, Any] = {
             "entry": {"type": "string"},
             "kind": KIND,
             "import_ms": {"type": "number"},
+            "hosts": {
+                "type": "object",
+                "description": "in a fleet: applied, live; lagging and skipped (a 202)",
+            },
+        },
+    },
+    "Secrets": {
+        "type": "object",
+        "required": ["space", "secrets"],
+        "properties": {
+            "space": {"type": "string"},
+            "secrets": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["name", "updated_at"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "updated_at": {"type": "number", "description": "Unix seconds"},
+                    },
+                },
+            },
+        },
+    },
+    "SecretChanged": {
+        "type": "object",
+        "required": ["space", "secret"],
+        "properties": {
+            "space": {"type": "string"},
+            "secret": {"type": "string", "description": "its name (never its value)"},
+            "set": {"type": "boolean"},
+            "unset": {"type": "boolean"},
+            "workers_signalled": {"type": "integer"},
             "hosts": {
                 "type": "object",
                 "description": "in a fleet: applied, live; lagging and skipped (a 202)",

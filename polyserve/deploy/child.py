@@ -61,9 +61,10 @@ def detach(server: int) -> None:
 
 
 def become(argv: list[str], env: dict[str, str] | None, fds: list[int]) -> None:
-    """Take the request's pipes, environment and argv, as a spawned validator has them."""
+    """Take the request's pipes (stdout, stderr, and stdin when the space has secrets),
+    environment and argv, as a spawned validator has them."""
     null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
+    os.dup2(fds[2] if len(fds) > 2 else null, 0)
     os.dup2(fds[0], 1)
     os.dup2(fds[1], 2)
     for fd in (null, *fds):
@@ -85,7 +86,11 @@ def forked(namespaces: bool, argv: list[str], env: dict[str, str] | None, fds: l
 
 
 async def _check(
-    root: Path, entry: str, timeout: float, deps: Path | None = None
+    root: Path,
+    entry: str,
+    timeout: float,
+    deps: Path | None = None,
+    values: dict[str, str] | None = None,
 ) -> tuple[dict[str, object], object]:
     """What a worker does with a version: import on a worker thread, start, and stop.
     Returns the result line and, for a failure, what caused it."""
@@ -100,7 +105,14 @@ async def _check(
     started = time.perf_counter()
     try:
         imported = await anyio.to_thread.run_sync(
-            loader.import_version, "validate/space", 0, root, entry, loader.DEFAULT_THREADS, deps
+            loader.import_version,
+            "validate/space",
+            0,
+            root,
+            entry,
+            loader.DEFAULT_THREADS,
+            deps,
+            values,
         )
         await loader.start(imported, timeout)
     except loader.LoadError as exc:
@@ -141,6 +153,7 @@ async def run(argv: list[str]) -> NoReturn:
     event loop: main()'s, or the one a fork server's spare set up while it waited."""
     root, entry, memory_mb, timeout = Path(argv[0]), argv[1], int(argv[2]), float(argv[3])
     deps = Path(argv[4]) if len(argv) > 4 else None
+    values = _take_secrets()
     result_fd = os.dup(1)
     os.dup2(2, 1)  # tenant prints must not corrupt the result line
     # A worker echoes a space's exceptions to the host log (polyserve.logs.spacelog); here
@@ -169,7 +182,7 @@ async def run(argv: list[str]) -> NoReturn:
         from polyserve.serve import gpu
 
         gpu.open_context()
-    result, cause = await _check(root, entry, timeout, deps)
+    result, cause = await _check(root, entry, timeout, deps, values)
     if isinstance(cause, MemoryError):
         result["error"] = (
             f"import of {entry} exceeded the validator's {memory_mb} MiB"
@@ -183,6 +196,20 @@ async def run(argv: list[str]) -> NoReturn:
     os.close(result_fd)
     # Skip interpreter shutdown: tenant threads or atexit hooks must not hang the deploy.
     os._exit(0)
+
+
+def _take_secrets() -> dict[str, str]:
+    """The space's secrets, which the worker put on stdin (nothing: none), read whole;
+    stdin is /dev/null from here on. They reach the version through polyserve.secrets
+    only, as in a worker: never the environment."""
+    data = bytearray()
+    while chunk := os.read(0, 1 << 16):
+        data += chunk
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    found = json.loads(data) if data else {}
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
 
 
 if __name__ == "__main__":

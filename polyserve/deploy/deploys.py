@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 import anyio
 import anyio.to_thread
 
 from polyserve.deploy import deps, requirements
+from polyserve.deploy.keys import Keys
 from polyserve.deploy.validate import validate
 from polyserve.errors import ClientError
 from polyserve.names import parse_space
@@ -25,6 +27,7 @@ from polyserve.settings import Settings, scrubbed_environ
 from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.history import version_summary
+from polyserve.state.secrets import unknown_secret
 from polyserve.state.shm import Table
 from polyserve.state.store import Staged, Store
 
@@ -58,6 +61,7 @@ class Deploys:
         self.fleet = fleet  # with POLYSERVE_DATABASE_URL: the fleet's database decides
         self.floor = floor  # a worker's memory holding no space, once its registry knows
         self.forkserver = forkserver  # the master's fork server's socket name, if it runs one
+        self.keys = Keys(self.changes, host_limiter, fleet)  # who may call a space
 
     async def deploy(
         self, space: str, upload: BinaryIO, filename: str
@@ -74,6 +78,8 @@ class Deploys:
                 s.import_timeout,
                 s.import_memory_mb,
                 env=scrubbed_environ(),
+                # Its own secrets (not in its environment), as a worker's load reads them.
+                secrets=await self._secret_values(space),
                 deps=installed.site if installed is not None else None,
                 forkserver=self.forkserver,
                 namespaces=s.validate_namespaces,
@@ -99,6 +105,14 @@ class Deploys:
             return 200, body
         status, body["hosts"] = await self.fleet.applied(change)
         return status, body
+
+    async def _secret_values(self, space: str) -> dict[str, str]:
+        """The space's secrets for its validation: in a fleet, the database's (this host
+        keeps a file only for its own pool's spaces)."""
+        if self.fleet is None:
+            return await self._run(self.store.secrets.values, space)
+        found = await self.fleet.run(self.fleet.db.secrets, space)
+        return {name: str(entry["value"]) for name, entry in found.get(space, {}).items()}
 
     def _fits(self, entry: str, need: int) -> None:
         """Refuse a version whose load alone would take a worker past its memory cap: it
@@ -143,6 +157,56 @@ class Deploys:
         if self.fleet is not None:
             return await self._fleet_change(space, self.fleet.db.release)
         return 200, {"workers_signalled": await self._change(space, self.changes.release)}
+
+    async def secret_names(self, space: str) -> dict[str, object]:
+        """A deployed space's secrets: each name and when it was set, never a value."""
+        if self.fleet is not None:
+            names = await self.fleet.run(self.fleet.db.secret_names, space)
+        else:
+            names = await self._run(self._local_secret_names, space)
+        if names is None:
+            raise ClientError(404, f"space {space} is not deployed", space=space)
+        return {"space": space, "secrets": names}
+
+    def _local_secret_names(self, space: str) -> list[dict[str, object]] | None:
+        if self.store.current(space) is None:
+            return None
+        return self.store.secrets.names(space)
+
+    async def set_secret(self, space: str, name: str, value: str) -> tuple[int, dict[str, object]]:
+        """Store a secret of a deployed space and reload the space: once this answers
+        200, every worker (every host, in a fleet) serves it with the new value."""
+        body: dict[str, object] = {"space": space, "secret": name, "set": True}
+        if self.fleet is not None:
+            commit = partial(self.fleet.db.set_secret, name=name, value=value)
+            status, hosts = await self._fleet_change(space, commit)
+            return status, {**body, **hosts}
+
+        def write() -> None:
+            found = self.store.secrets.read(space)
+            found[name] = {"value": value, "updated_at": time.time()}
+            self.store.secrets.write(space, found)
+
+        signalled = await self._change(space, partial(self.changes.secrets, write=write))
+        return 200, {**body, "workers_signalled": signalled}
+
+    async def unset_secret(self, space: str, name: str) -> tuple[int, dict[str, object]]:
+        """Remove a secret (ClientError 404 when the space has none by that name) and
+        reload the space, as set_secret does."""
+        body: dict[str, object] = {"space": space, "secret": name, "unset": True}
+        if self.fleet is not None:
+            commit = partial(self.fleet.db.unset_secret, name=name)
+            status, hosts = await self._fleet_change(space, commit)
+            return status, {**body, **hosts}
+
+        def write() -> None:
+            found = self.store.secrets.read(space)
+            if found.pop(name, None) is None:
+                raise unknown_secret(space, name)
+            self.store.secrets.write(space, found)
+
+        signalled = await self._change(space, partial(self.changes.secrets, write=write))
+        return 200, {**body, "workers_signalled": signalled}
 
     async def rollback(self, space: str, asked: int | None) -> tuple[int, dict[str, object]]:
         """Make a kept version current again (`asked`, or the one the current version

@@ -7,7 +7,8 @@ accepts only peers of its own uid (SO_PEERCRED), the uid workers and tenant code
 run as.
 
 Protocol (SOCK_SEQPACKET, one JSON message each): the worker sends {"argv", "env"} with
-two fds, the child's stdout and stderr pipes (SCM_RIGHTS); the server answers {"pid"}
+two fds, the child's stdout and stderr pipes (SCM_RIGHTS), and a third, its stdin, when
+the space has secrets (a memfd the server passes on unread); the server answers {"pid"}
 (the keeper's) once forked and {"returncode"} once the child is reaped (negative: the
 signal that ended it, as subprocess reports). A worker that hangs up first (its deploy
 timed out or was cancelled) gets its validation ended (polyserve.deploy.forkloop). The
@@ -79,9 +80,12 @@ class Forked:
             transport.close()
 
 
-async def fork(name: str, argv: list[str], env: Mapping[str, str] | None) -> Forked | None:
-    """Ask the fork server `name` for a validation child running `argv`; None when no
-    server answers (not listening yet, or dead): the caller spawns one instead."""
+async def fork(
+    name: str, argv: list[str], env: Mapping[str, str] | None, stdin: int | None = None
+) -> Forked | None:
+    """Ask the fork server `name` for a validation child running `argv` (with `stdin` as
+    its stdin, else /dev/null); None when no server answers (not listening yet, or
+    dead): the caller spawns one instead."""
     loop = asyncio.get_running_loop()
     client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     client.setblocking(False)
@@ -95,7 +99,8 @@ async def fork(name: str, argv: list[str], env: Mapping[str, str] | None) -> For
             if sandbox.stopped(peer(client)[0]):
                 raise TimeoutError
             request = {"argv": argv, "env": None if env is None else dict(env)}
-            socket.send_fds(client, [json.dumps(request).encode()], [out_w, err_w])
+            fds = [out_w, err_w] if stdin is None else [out_w, err_w, stdin]
+            socket.send_fds(client, [json.dumps(request).encode()], fds)
             reply = await asyncio.wait_for(loop.sock_recv(client, MAX_MESSAGE), HANDSHAKE_S)
             pid = int(json.loads(reply)["pid"])
         finally:

@@ -267,19 +267,20 @@ class _Strays:
 
 def _read(client: socket.socket) -> tuple[list[str], dict[str, str] | None, list[int]] | None:
     """A worker's request on `client`: the child's argv and environment, and its stdout
-    and stderr. None for the master's ping, answered here, and for anything else, which
-    is dropped: `client` and the fds it sent are closed."""
+    and stderr (and its stdin, holding the space's secrets). None for the master's ping,
+    answered here, and for anything else, which is dropped: `client` and the fds it sent
+    are closed."""
     fds: list[int] = []
     try:
-        message, fds, _, _ = socket.recv_fds(client, MAX_MESSAGE, 2)
+        message, fds, _, _ = socket.recv_fds(client, MAX_MESSAGE, 3)
         request = json.loads(message)
         if request.get("ping") is True and not fds:  # the master: is it answering?
             _send(client, {"pong": True})
             client.close()
             return None
         argv, env = [str(a) for a in request["argv"]], request.get("env")
-        if len(fds) != 2:
-            raise ValueError("expected the child's stdout and stderr")
+        if len(fds) not in (2, 3):
+            raise ValueError("expected the child's stdout and stderr (and its stdin)")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         _close(client, fds)
         return None

@@ -229,7 +229,7 @@ async def _wait(theirs: socket.socket, preload: tuple[str, ...]) -> None:
     await anyio.to_thread.run_sync(warmup.in_worker, preload)
     theirs.send(b"ready")
     # Blocking the loop: nothing else runs on it yet.
-    message, fds, _, _ = socket.recv_fds(theirs, MAX_MESSAGE, 2)
+    message, fds, _, _ = socket.recv_fds(theirs, MAX_MESSAGE, 3)
     theirs.send(b"took")
     theirs.close()
     request = json.loads(message)

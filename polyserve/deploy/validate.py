@@ -36,39 +36,63 @@ async def validate(
     deps: Path | None = None,
     forkserver: str | None = None,
     namespaces: bool = True,
+    secrets: Mapping[str, str] | None = None,
 ) -> dict[str, object]:
     """Return {"kind", "import_ms"} or raise ClientError(422) saying what to fix. `env` is
     the child's whole environment (the host passes one without its secrets); `deps` the
     version's installed dependency set (polyserve/deploy/deps.py), imported as a worker will.
     With `forkserver` (the master's fork server's name), the child is forked from that
     warm process; without one, or when it does not answer, a new interpreter, in
-    namespaces of its own if `namespaces` and the host may make them."""
+    namespaces of its own if `namespaces` and the host may make them. `secrets` are the
+    space's, which the child reads on its stdin (a memfd), never in its environment."""
     argv = [str(root), entry, str(memory_mb), str(timeout), *([str(deps)] if deps else [])]
-    proc = await fork(forkserver, argv, env) if forkserver else None
+    stdin = _secrets_fd(secrets) if secrets else None
+    proc = None
     try:
+        proc = await fork(forkserver, argv, env, stdin) if forkserver else None
         if proc is None:
-            spawned = await _spawn(argv if namespaces else ["--processes", *argv], env)
+            spawned = await _spawn(argv if namespaces else ["--processes", *argv], env, stdin)
+        if stdin is not None:  # the child holds its own copy now: none stays here
+            os.close(stdin)
+            stdin = None
         return await _wait(proc or spawned, entry, timeout)
     except _ServerGone:
         # The fork server died under this validation (killed, crashed, or killed by the
         # tenant's code): its child died with it. Once more, in a new interpreter.
-        return await validate(root, entry, timeout, memory_mb, env, deps, None, namespaces)
+        return await validate(root, entry, timeout, memory_mb, env, deps, None, namespaces, secrets)
     finally:
+        if stdin is not None:
+            os.close(stdin)
         if proc is not None:
             proc.close()  # the server ends what is left of the validation
+
+
+def _secrets_fd(secrets: Mapping[str, str]) -> int:
+    """An anonymous file holding the secrets as JSON, read from its start: what the
+    child takes as its stdin. A memfd, not a pipe: no size makes its writer wait."""
+    fd = os.memfd_create("polyserve-secrets", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, json.dumps(dict(secrets)).encode())
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class _ServerGone(Exception):
     pass
 
 
-async def _spawn(argv: list[str], env: Mapping[str, str] | None) -> asyncio.subprocess.Process:
+async def _spawn(
+    argv: list[str], env: Mapping[str, str] | None, stdin: int | None = None
+) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "polyserve.deploy.child",
         *argv,
-        stdin=asyncio.subprocess.DEVNULL,
+        stdin=asyncio.subprocess.DEVNULL if stdin is None else stdin,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=None if env is None else dict(env),

@@ -30,6 +30,8 @@ from polyserve.fleet.fetch import download
 from polyserve.fleet.uploads import Stored
 from polyserve.names import DEFAULT_POOL
 from polyserve.settings import Settings
+from polyserve.state import access
+from polyserve.state.access import Access
 from polyserve.state.apply import Changes
 from polyserve.state.store import Staged, Store, write_atomic
 
@@ -155,8 +157,29 @@ class CatchUp:
             self.changes.delete(change.space)
         elif change.kind == "release":
             self.changes.release(change.space)
+        elif change.kind == "access":
+            found = self.db.access_of(change.space)
+            if found is not None:  # a space not deployed here has nothing to apply it to
+                self.changes.access(change.space, _replaced(found))
+        elif change.kind == "secrets":
+            self._secrets(change.space)
         else:
             assert_never(change.kind)
+
+    def _secrets(self, space: str) -> None:
+        """The space's secrets as the fleet stores them, into its file here; the space is
+        released, so every worker's next request imports it with them."""
+        current = self.store.current(space)
+        found = self._ours(space, current.pool if current is not None else None)
+        self.changes.secrets(space, partial(self.store.secrets.write, space, found))
+
+    def _ours(self, space: str, pool: str | None) -> dict[str, dict[str, Any]]:
+        """The space's secrets from the fleet when its version runs in this host's pool;
+        none otherwise: a host keeps no file of the secrets of spaces it never imports,
+        so pools keep owners' secrets apart on disk too (docs/secrets.md)."""
+        if pool != self.settings.pool:
+            return {}
+        return self.db.secrets(space).get(space, {})
 
     def _deploy(self, space: str, number: int) -> None:
         # Another pool's version comes without its bytes: this host only points at it
@@ -167,10 +190,18 @@ class CatchUp:
             return  # gone from the fleet store: a later change supersedes it
         if stored.size is not None:  # this pool's: its set is installed before it is current
             stored = dataclasses.replace(stored, meta=self._installed(number, stored.meta))
+        # Its secrets first, so that the loads this deploy causes read them: this host
+        # may have dropped them (a change it skipped deletes the space here).
+        found = self._ours(space, str(stored.meta.get("pool", DEFAULT_POOL)))
+        if self.store.secrets.read(space) != found:
+            with self.store.locked():
+                self.store.secrets.write(space, found)
         cap = self.settings.max_unpacked_mb << 20
         while True:
             staged = None
-            if stored.size is not None:
+            # A space with no files here was never served here (or its files were
+            # pruned): only its pointer moves, and its first request fetches the files.
+            if stored.size is not None and self._eager(space):
                 staged = download(self.db, self.store, space, stored, cap)
             try:
                 place = partial(self._place, space, stored, staged)
@@ -191,7 +222,14 @@ class CatchUp:
             return store.publish(space, staged, stored.meta, reclaim, stored.number)[0]
         if stored.size is None or store.has_files(space, stored.number, stored.sha256):
             return store.point(space, stored.number, stored.meta, reclaim)
+        if not self._eager(space):  # its files come on its first request here
+            return store.point(space, stored.number, stored.meta, reclaim)
         return None
+
+    def _eager(self, space: str) -> bool:
+        """Whether a deploy's files are fetched as it arrives (POLYSERVE_FLEET_FILES): for
+        every space, or for those with files here (served here, or still held)."""
+        return self.settings.fleet_files == "all" or self.store.holds_files(space)
 
     def _installed(self, number: int, meta: dict[str, Any]) -> dict[str, Any]:
         """A version's metadata once its dependency set is installed on this host (the
@@ -247,6 +285,7 @@ class CatchUp:
         on first use. Going back, the spaces the fleet no longer knows are deleted, and
         local files are kept only where their sha256 is the fleet's."""
         last, pointers = self.db.pointers()
+        every = self.db.secrets()  # read after the pointers: no older than they are
         last_id = last.id if last is not None else 0
         store = self.store
         unfit: list[tuple[Change, str]] = []
@@ -284,12 +323,44 @@ class CatchUp:
                     unfit.append((Change(last_id, space, "deploy", version), exc.error))
                 if slot is not None:
                     self.changes.moved(space, slot)
+            self._take_secrets(pointers, every)
             store.slots.sync()
+        self._take_accesses()
         log.info("took the fleet's pointers for %d spaces, up to change %d", len(pointers), last_id)
         for change, error in unfit:
             self._skip(change, error)
         self._unskip(set(pointers) - {change.space for change, _ in unfit})
         self._applied(last_id, last.token if last is not None else None)
+
+    def _take_accesses(self) -> None:
+        """Make every deployed space's access the fleet's (after its pointers, each
+        under the store lock of its own)."""
+        fleet = self.db.accesses()
+        for space in set(fleet) | set(access.listed(self.store.root)):
+            wanted = fleet.get(space, Access())
+            local = access.read(self.store.root, space) or Access()
+            if local.to_json(local=False) != wanted.to_json(local=False):
+                self.changes.access(space, _replaced(wanted))
+
+    def _take_secrets(
+        self,
+        pointers: dict[str, tuple[int, dict[str, Any]] | None],
+        every: dict[str, dict[str, dict[str, Any]]],
+    ) -> None:
+        """Under the store lock, each deployed space's secrets as the fleet has them (for
+        this host's pool's spaces); a space whose secrets changed is released (a deleted
+        one lost them with it)."""
+        for space, pointer in pointers.items():
+            if pointer is None:
+                continue
+            ours = pointer[1].get("pool", DEFAULT_POOL) == self.settings.pool
+            found = every.get(space, {}) if ours else {}
+            if self.store.secrets.read(space) == found:
+                continue
+            self.store.secrets.write(space, found)
+            slot = self.store.slots.slot(space)
+            if slot is not None:
+                self.changes.broadcast.release(slot)
 
     def _applied(self, change_id: int, token: str | None) -> None:
         self.applied, self.token = change_id, token
@@ -302,6 +373,11 @@ def _here(store: Store, space: str, pointer: tuple[int, dict[str, Any]]) -> bool
     local = store.current(space)
     here = (pointer[0], pointer[1].get("sha256"))
     return local is not None and (local.number, local.sha256) == here
+
+
+def _replaced(wanted: Access) -> Callable[[Access], Access]:
+    """An edit that makes a space's access the fleet's, whatever it was here."""
+    return lambda _before: Access(wanted.private, [dict(k) for k in wanted.keys])
 
 
 def read_applied(path: Path) -> int:

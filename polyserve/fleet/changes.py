@@ -1,10 +1,13 @@
-"""The fleet's change log: commit a deploy, a rollback, a delete or a release; read changes back."""
+"""The fleet's change log: commit deploys, rollbacks, deletes, releases, access; read them back.
+
+A secret's change is committed by polyserve.fleet.secrets, through `log_change`.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
 
@@ -15,11 +18,12 @@ from polyserve.fleet.connection import CHANNEL, Connection
 from polyserve.fleet.hosts import LIVE
 from polyserve.fleet.schema import CHANGE_LOCK
 from polyserve.fleet.uploads import copy_version
+from polyserve.state.access import Access
 from polyserve.state.history import rollback_target, version_summary
 
 # What a change does, as the change log's CHECK constraint says (a rollback is a deploy
 # of an older number).
-ChangeKind = Literal["deploy", "delete", "release"]
+ChangeKind = Literal["deploy", "delete", "release", "access", "secrets"]
 
 
 @dataclass(frozen=True)
@@ -127,9 +131,12 @@ class ChangeLog(Connection):
                 "SELECT number, meta FROM polyserve_versions WHERE space = %s ORDER BY number",
                 (space,),
             ).fetchall()
+            # A host's history tells what each version served: a change of the space's
+            # secrets moves no version, and is not in it there either.
             changes = conn.execute(
                 "SELECT kind, version, extract(epoch FROM at)::float8 FROM polyserve_changes"
-                " WHERE space = %s ORDER BY id",
+                # Access and secrets changes move no version: not events of the history.
+                " WHERE space = %s AND kind NOT IN ('access', 'secrets') ORDER BY id",
                 (space,),
             ).fetchall()
         versions = [version_summary(meta, number, current) for number, meta in stored]
@@ -146,14 +153,19 @@ class ChangeLog(Connection):
         return current, versions, history[-limit:]
 
     def delete(self, space: str) -> Change | None:
-        """Undeploy everywhere; None when the space is not deployed."""
+        """Undeploy everywhere, its secrets with it; None when the space is not deployed."""
         with self._changing() as conn:
             row = conn.execute(
                 "UPDATE polyserve_spaces SET current_version = NULL"
                 " WHERE name = %s AND current_version IS NOT NULL RETURNING name",
                 (space,),
             ).fetchone()
-            return None if row is None else _log(conn, space, "delete", None)
+            if row is None:
+                return None
+            # A space deployed again under the name starts public, as on a single host.
+            conn.execute("DELETE FROM polyserve_access WHERE space = %s", (space,))
+            conn.execute("DELETE FROM polyserve_secrets WHERE space = %s", (space,))
+            return _log(conn, space, "delete", None)
 
     def release(self, space: str) -> Change | None:
         """Release everywhere (each host's workers import it afresh); None when the
@@ -165,6 +177,36 @@ class ChangeLog(Connection):
                 (space,),
             ).fetchone()
             return None if row is None else _log(conn, space, "release", row[0])
+
+    def access(self, space: str, edit: Callable[[Access], Access]) -> Change | None:
+        """Replace a deployed space's access by `edit` of the fleet's, and log it: every
+        host applies it as a deploy (polyserve.fleet.catchup). None when the space is not
+        deployed; an edit's ClientError commits nothing."""
+        with self._changing() as conn:
+            if _current(conn, space) is None:
+                return None
+            after = edit(_access_row(conn, space))
+            conn.execute(
+                "INSERT INTO polyserve_access (space, private, keys) VALUES (%s, %s, %s::jsonb)"
+                " ON CONFLICT (space) DO UPDATE SET private = EXCLUDED.private,"
+                " keys = EXCLUDED.keys",
+                (space, after.private, json.dumps(after.to_json(local=False)["keys"])),
+            )
+            return _log(conn, space, "access", None)
+
+    def access_of(self, space: str, deployed: bool = False) -> Access | None:
+        """The fleet's access of a space (public when it has no row); with `deployed`,
+        None when the space is not deployed."""
+        with self.session() as conn:
+            if deployed and _current(conn, space) is None:
+                return None
+            return _access_row(conn, space)
+
+    def accesses(self) -> dict[str, Access]:
+        """Every space's access row, for a host that takes the fleet's pointers."""
+        with self.session() as conn:
+            rows = conn.execute("SELECT space, private, keys FROM polyserve_access").fetchall()
+        return {space: Access(private, list(keys)) for space, private, keys in rows}
 
     def changes_since(self, after: int, limit: int) -> list[Change]:
         with self.session() as conn:
@@ -245,6 +287,20 @@ def _refuse_unfit(conn: psycopg.Connection, space: str, size: int, fit: Fit) -> 
             raise ClientError(status, error.format(*unfit[0]), space=space, hosts=hosts_unfit)
 
 
+def _current(conn: psycopg.Connection, space: str) -> int | None:
+    row = conn.execute(
+        "SELECT current_version FROM polyserve_spaces WHERE name = %s", (space,)
+    ).fetchone()
+    return row[0] if row else None
+
+
+def _access_row(conn: psycopg.Connection, space: str) -> Access:
+    row = conn.execute(
+        "SELECT private, keys FROM polyserve_access WHERE space = %s", (space,)
+    ).fetchone()
+    return Access(row[0], list(row[1])) if row else Access()
+
+
 def _log(conn: psycopg.Connection, space: str, kind: ChangeKind, version: int | None) -> Change:
     """Append a change under CHANGE_LOCK (held by the caller's transaction) and notify."""
     row = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM polyserve_changes").fetchone()
@@ -258,3 +314,6 @@ def _log(conn: psycopg.Connection, space: str, kind: ChangeKind, version: int | 
     # Delivered at commit, to every host listening then; the others poll.
     conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, json.dumps(change.id)))
     return change
+
+
+log_change = _log  # for the kinds committed by modules of their own (fleet/secrets.py)

@@ -2,7 +2,7 @@
 
 Each part is one job over the one connection (polyserve.fleet.connection): the change
 log (changes.py), the versions' bytes (uploads.py), the hosts (hosts.py), the usage
-ledger (ledger.py) and what hosts report (reports.py).
+ledger (ledger.py), what hosts report (reports.py) and the spaces' secrets (secrets.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from polyserve.fleet.changes import ChangeLog
 from polyserve.fleet.hosts import Hosts
 from polyserve.fleet.ledger import UsageLedger
 from polyserve.fleet.reports import Reports
+from polyserve.fleet.secrets import SecretRows
 from polyserve.fleet.uploads import Uploads
 
 
-class FleetDB(ChangeLog, Uploads, Hosts, UsageLedger, Reports):
+class FleetDB(ChangeLog, Uploads, Hosts, UsageLedger, Reports, SecretRows):
     """One process's connection to the fleet's database, with every part's calls."""

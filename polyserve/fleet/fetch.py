@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import compileall
+import fcntl
 import tempfile
 
 from polyserve.errors import DISK_FULL, ClientError
@@ -12,7 +13,21 @@ from polyserve.state.store import Staged, Store, Version
 
 
 def fetch_version(db: FleetDB, store: Store, version: Version, max_unpacked: int) -> None:
-    """Put a version's files in place from the fleet, on first use (a worker)."""
+    """Put a version's files in place from the fleet, on first use (a worker).
+
+    One fetch of a version at a time on this host: its metadata file is locked for the
+    fetch, so the host's other workers wanting it wait, then find the files in place."""
+    meta = store.space_dir(version.space) / "versions" / f"{version.number}.json"
+    try:
+        held = open(meta, "rb")  # noqa: SIM115 (closed below)
+    except FileNotFoundError:  # pruned, or the space deleted, since the request found it
+        raise ClientError(404, f"{version.space} v{version.number} is no longer here") from None
+    with held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        _fetch_version(db, store, version, max_unpacked)
+
+
+def _fetch_version(db: FleetDB, store: Store, version: Version, max_unpacked: int) -> None:
     stored = db.fetch(version.space, version.number)
     if stored is None:
         raise ClientError(404, f"{version.space} v{version.number} is not in the fleet store")

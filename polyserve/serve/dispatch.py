@@ -14,6 +14,7 @@ from starlette.types import Message, Receive, Scope, Send
 from polyserve.logs import spacelog
 from polyserve.serve import answers, loader
 from polyserve.serve.deadlines import Deadlines
+from polyserve.serve.gate import PUBLIC, Gate, Refused
 from polyserve.serve.refusals import answer, elsewhere, refusal
 from polyserve.serve.registry import OtherPool, Registry
 from polyserve.usage.meter import Meter
@@ -34,8 +35,10 @@ class Dispatch:
         deadlines: Deadlines,
         pools: PoolRouter | None = None,
         max_infer: int = 64 << 20,
+        gate: Gate | None = None,
     ) -> None:
         self.registry = registry
+        self.gate = gate  # None: every space is public (in-process tests of dispatch alone)
         self.max_infer = max_infer  # bytes of a model space's infer body
         self.meter = meter
         self.deadlines = deadlines
@@ -45,6 +48,13 @@ class Dispatch:
         """A request for a space: HostApp has set path_params and extended root_path."""
         params = scope["path_params"]
         space = f"{params['owner']}/{params['name']}"
+        # The key check comes first: a refused request is counted nowhere, loads nothing.
+        key = PUBLIC
+        if self.gate is not None:
+            try:
+                key = self.gate.check(space, scope["headers"])
+            except Refused as no:
+                return await answer(scope, receive, send, no.status, no.body, no.headers)
         started = self.meter.begin()  # busy time includes a cold start's import
         slot: int | None = None  # None: no space answered, so no request is counted
         metered = False
@@ -57,6 +67,8 @@ class Dispatch:
                 metered = True
                 failed = status >= 500 if error is None else error
                 self.meter.end(slot if billed else None, started, error=failed)
+                if key != PUBLIC and billed and slot is not None:
+                    self.meter.keyed(slot, key)
 
         status = 500  # if anything below raises mid-way
         # The deadline runs from here: a wait for a cold load (its own, or another
@@ -125,6 +137,8 @@ class Dispatch:
 
         if imported.kind == "app":
             scope["state"] = imported.state.copy()  # lifespan state, shallow-copied per ASGI
+        if imported.secrets:  # the space's own, read at its load (docs/secrets.md)
+            scope["polyserve.secrets"] = imported.secrets
         if imported.kind != "model" and "polyserve.route" in scope:
             # An infer at the host's root (polyserve/serve/inference.py) for a space that is
             # not a model: its own app never sees the protocol's path. Not billed.

@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
+import orjson
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from polyserve.errors import ClientError
 from polyserve.names import is_owner
 from polyserve.serve import protocol, routes
+from polyserve.serve.gate import Refused
 from polyserve.serve.routes import Answer, Route
 from polyserve.serve.tensors import ProtocolError
 
@@ -52,7 +54,15 @@ class InferenceRoutes:
                 scope["polyserve.route"] = route
                 await self.dispatch()(scope, receive, send)
                 return
+            if route.model is not None and route.op not in ("load", "unload"):
+                # A private model's metadata and readiness take its key, as its infers do.
+                gate = self.control.running.dispatch.gate
+                if gate is not None:
+                    gate.check(route.model, scope["headers"])
             found = await self._answer(route, scope, receive)
+        except Refused as no:
+            extra = [(k.encode(), v.encode()) for k, v in no.headers.items()]
+            found = routes.answer(no.status, orjson.dumps(no.body), routes.JSON, False, extra)
         except ProtocolError as exc:
             found = routes.error_answer(exc)
         except ClientError as exc:  # auth, and the host's own refusals

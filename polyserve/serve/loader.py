@@ -17,6 +17,7 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from a2wsgi import WSGIMiddleware
 from starlette.types import ASGIApp
 
+from polyserve import secrets
 from polyserve.logs import spacelog
 from polyserve.serve import gpu, namespace
 from polyserve.serve.answers import DEFAULT_THREADS, HandleApp
@@ -43,6 +45,11 @@ class LoadError(Exception):
             error = error[:MESSAGE_MAX] + f"… ({len(error)} characters)"
         super().__init__(error)
         self.details = {"error": error, **details}
+
+
+class FilesAway(LoadError):
+    """A fleet version whose files are not on this host and cannot be fetched now (the
+    fleet's database is unreachable): answered 503 with Retry-After."""
 
 
 class DeviceLoadError(LoadError):
@@ -65,6 +72,9 @@ class _Imported:
     log: spacelog.Tag  # what its code says is attributed to it (dispatch sets spacelog.RUNNING)
     state: dict[str, Any] = field(default_factory=dict, kw_only=True)  # lifespan state, per ASGI
     lifespan: _Lifespan | None = field(default=None, kw_only=True)
+    # The space's secrets as this load read them (read-only): its requests' ASGI scope
+    # carries them as scope["polyserve.secrets"] (docs/secrets.md).
+    secrets: Mapping[str, str] = field(default_factory=dict, kw_only=True)
 
 
 @dataclass
@@ -102,17 +112,20 @@ def import_version(
     entry: str,
     threads: int = DEFAULT_THREADS,
     deps: Path | None = None,
+    values: Mapping[str, str] | None = None,
 ) -> Imported:
     """Import a version's entry module under a fresh package name (thread-safe); a sync
     handle() gets `threads` worker threads at most. `deps` is its installed dependency
-    set: the version's own modules shadow it, as a script's directory shadows sys.path."""
+    set: the version's own modules shadow it, as a script's directory shadows sys.path.
+    `values` are the space's secrets, which its code reads through polyserve.secrets."""
     root = Path(root)
     if deps is not None and not Path(deps).is_dir():
         raise LoadError(
             f"the dependency set of {space} v{version} is missing from the data directory:"
             " deploy the space again to install it"
         )
-    package = namespace.create(space, version, [root] if deps is None else [root, Path(deps)])
+    roots = [root] if deps is None else [root, Path(deps)]
+    package = namespace.create(space, version, roots, values)
     tag = spacelog.tag(space, version, root)
     speaking = spacelog.RUNNING.set(tag)  # what the module prints at import is the space's
     try:
@@ -126,6 +139,7 @@ def import_version(
             imported = _find_callable(where, entry, threads)
         if imported.kind == "model":
             imported.app.version, imported.app.versions_dir = version, root.parent
+        imported.secrets = secrets.of(package)
     except LoadError as exc:
         forget(package)
         tag.record(logging.ERROR, "stderr", f"import failed: {exc}", time.time())

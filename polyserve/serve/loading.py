@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
 
 import anyio
 import anyio.to_thread
@@ -205,6 +205,7 @@ class Loads:
                 await self._fetch(version)
             imported = await anyio.to_thread.run_sync(
                 _import_version,
+                self.store,
                 space,
                 version.number,
                 version.dir,
@@ -255,10 +256,26 @@ class Loads:
         try:
             await self.fetch(version)
         except ClientError as exc:
+            if exc.status == 503:  # the fleet's database is away: it may be back soon
+                raise loader.FilesAway(
+                    f"the files of {version.space} v{version.number} are not on this host"
+                    f" yet, and fetching them failed: {exc.error}"
+                ) from exc
             raise loader.LoadError(exc.error) from exc
 
 
-def _import_version(*args: Any) -> loader.Imported:
-    """loader.import_version, with the heap's thresholds of a load (heap.loading)."""
+def _import_version(
+    store: Store,
+    space: str,
+    number: int,
+    root: Path,
+    entry: str,
+    threads: int,
+    deps: Path | None,
+) -> loader.Imported:
+    """loader.import_version, with the heap's thresholds of a load (heap.loading) and
+    the space's secrets, read once for this load: a change to them releases the space
+    after its file is written, so a load that read the old ones serves no request."""
+    values = store.secrets.values(space)
     with heap.loading():
-        return loader.import_version(*args)
+        return loader.import_version(space, number, root, entry, threads, deps, values)

@@ -24,9 +24,12 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from polyserve import secrets
 
 _real_import = builtins.__import__
 _counter = itertools.count(1)
@@ -37,13 +40,18 @@ _NOT_WORD = re.compile(r"\W")
 _MODULE_SUFFIXES = (".py", *importlib.machinery.EXTENSION_SUFFIXES)
 
 
-def create(space: str, version: int, roots: list[Path]) -> str:
+def create(
+    space: str, version: int, roots: list[Path], values: Mapping[str, str] | None = None
+) -> str:
     """A fresh package over `roots` (the version's directory, then its dependency set's),
-    registered so that its modules import with the version's builtins; returns its name."""
+    registered so that its modules import with the version's builtins and read `values`
+    through polyserve.secrets (the space's secrets, as this load read them); returns its
+    name."""
     with _counter_lock:
         n = next(_counter)
     package = "_ps_" + _NOT_WORD.sub("_", space.replace("/", "__")) + f"__v{version}_{n}"
     names = frozenset().union(*(_top_names(r) for r in roots))
+    secrets.give(package, values or {})
     _finder.packages[package] = (roots, _space_builtins(package, names))
     return package
 
@@ -51,6 +59,7 @@ def create(space: str, version: int, roots: list[Path]) -> str:
 def forget(package: str) -> None:
     """Drop every module of a version package so nothing here references it any more."""
     _finder.packages.pop(package, None)
+    secrets.take(package)
     prefix = package + "."
     for name in [n for n in sys.modules if n == package or n.startswith(prefix)]:
         del sys.modules[name]

@@ -20,6 +20,8 @@ if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays 
     from polyserve.fleet.pools import PoolRouter
 
 log = logging.getLogger("polyserve")
+# Retry-After (s) of a space whose files this fleet host cannot fetch now.
+FILES_RETRY_S = 5
 
 
 def refusal(
@@ -43,6 +45,9 @@ def refusal(
         # a failed load, so the usage shows what the cap costs a space.
         retry = {"retry-after": str(NO_ROOM_RETRY_S)}
         return slot, 503, {"error": str(exc), "space": space}, retry
+    if isinstance(exc, loader.FilesAway):
+        retry = {"retry-after": str(FILES_RETRY_S)}
+        return slot, 503, {**exc.details, "space": space}, retry
     if isinstance(exc, loader.DeviceLoadError):
         # The worker's GPU cannot run it (onnxruntime gave the session another provider):
         # never served from the CPU instead; the host's to fix, not the request's.

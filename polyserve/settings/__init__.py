@@ -56,6 +56,7 @@ class Settings:
     pool_retry_after_s: int
     fleet_poll_s: float
     fleet_live_s: float
+    fleet_files: str
     fleet_timeout_s: float
     deploy_wait_s: float
     deps_index_url: str

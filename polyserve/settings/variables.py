@@ -92,6 +92,12 @@ def _index_url(text: str) -> str:
     return text.rstrip("/")
 
 
+def _fleet_files(text: str) -> str:
+    if text not in ("served", "all"):
+        raise ValueError("must be `served` or `all`")
+    return text
+
+
 def _module_names(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     for name in names:
@@ -347,6 +353,14 @@ SETTINGS: tuple[Setting, ...] = (
         positive_float,
         const(10.0),
         "Seconds a host that stopped answering still counts as live in the fleet.",
+    ),
+    Setting(
+        "fleet_files",
+        _fleet_files,
+        const("served"),
+        "Which spaces' files a fleet host fetches as each deploy arrives: `served` (those"
+        " it has files of, from serving them; another's on its first request here) or"
+        " `all` (every space's, so it serves them all through a database outage).",
     ),
     Setting(
         "fleet_timeout_s",

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+from polyserve.state import access as access_mod
+from polyserve.state.access import Access
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.store import Staged, Store
 from polyserve.usage import meter
@@ -41,8 +43,10 @@ class Changes:
     def moved(self, space: str, slot: int) -> None:
         """After `current` moved, the lock still held: bump the space's generation, so
         every worker's next request sees the change, and prune what no worker holds
-        (after the bump, so what a worker holds stays)."""
+        (after the bump, so what a worker holds stays). The access word moves too: a
+        slot handed to another space, or a space deleted, has other access now."""
         self.broadcast.bump(slot)
+        self.broadcast.bump_access(slot)
         self.store.prune(space, self.broadcast.oldest_held(slot))
 
     def publish(
@@ -77,6 +81,43 @@ class Changes:
                 return False
             self.broadcast.release(slot)
             self.store.history.record(space, "release", current.number, current.number)
+        return True
+
+    def access(self, space: str, edit: Callable[[Access], Access]) -> Access | None:
+        """Under the store lock, replace the space's access by `edit` of it and bump its
+        access word: every worker's next request of the space checks the new access.
+        None when the space is not deployed. A key new here gets its cell's count now as
+        its base, so its usage starts from zero (a revoked key may have had the cell)."""
+        with self.store.locked():
+            slot = self.store.slots.slot(space)
+            if slot is None or self.store.current(space) is None:
+                return None
+            root = self.store.root
+            before = access_mod.read(root, space) or Access()
+            after = edit(before)
+            # The bases are this host's: kept for the keys it knew, taken for new ones.
+            bases = {(k.get("id"), k.get("cell")): k.get("base") for k in before.keys}
+            counts = meter.key_counts(self.broadcast.table, self.store.slots.ledger(), slot)
+            for key in after.keys:
+                base = bases.get((key.get("id"), key.get("cell")))
+                key["base"] = counts[int(key.get("cell", 0))] if base is None else base
+            access_mod.write(root, space, after)
+            self.broadcast.bump_access(slot)
+        return after
+
+    def secrets(self, space: str, write: Callable[[], None]) -> bool:
+        """Change a deployed space's secrets: under the store lock `write` writes its
+        file, then the space is released, so every worker's next request imports it
+        afresh with the new values (a load reads the file once). False when the space is
+        not deployed (nothing written). Announce after it, as after a release."""
+        with self.store.locked():
+            slot = self.store.slots.slot(space)
+            if slot is None or self.store.current(space) is None:
+                return False
+            write()
+            # Not recorded in the history: it tells what each version served, and a
+            # secret's change moves no version.
+            self.broadcast.release(slot)
         return True
 
     def announce(self) -> int:

@@ -30,6 +30,11 @@ class Broadcast:
         """Advance a space's generation. Callers hold the store lock."""
         self.table.generations[space_slot] += 1
 
+    def bump_access(self, space_slot: int) -> None:
+        """Advance a space's access word, so every worker re-reads its access file before
+        its next request. Callers hold the store lock."""
+        self.table.access[space_slot] += 1
+
     def releases(self, space_slot: int) -> int:
         return self.table.releases[space_slot]
 

@@ -11,6 +11,7 @@ Layout under POLYSERVE_DATA_DIR::
     spaces/<owner>/<name>/versions/<n>.json   its metadata
     spaces/<owner>/<name>/history.jsonl       what happened (polyserve.state.history)
     logs/<owner>/<name>/            the space's recent log records (polyserve.logs.logstore)
+    secrets/<owner>/<name>.json     the space's secrets, mode 0600 (polyserve.state.secrets)
 
 Published version directories are never written again; only ``current`` moves
 (polyserve.state.store writes, under the lock).
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from polyserve.names import DEFAULT_POOL
 from polyserve.state.history import version_summary
+from polyserve.state.secrets import SecretFiles
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Layout:
         self.spaces_dir = self.root / "spaces"
         self.staging_dir = self.root / "staging"
         self.logs_dir = self.root / "logs"
+        self.secrets = SecretFiles(self.root / "secrets")  # outside every version
 
     def space_dir(self, space: str) -> Path:
         return self.spaces_dir / space
@@ -92,11 +95,22 @@ class Layout:
         files = self.space_dir(space) / "versions" / str(number)
         return known is not None and known.get("sha256") == sha256 and files.is_dir()
 
+    def holds_files(self, space: str) -> bool:
+        """Whether any version of the space has its files on disk here."""
+        try:
+            return any(entry.is_dir() for entry in (self.space_dir(space) / "versions").iterdir())
+        except FileNotFoundError:
+            return False
+
     def spaces(self) -> dict[str, dict[str, object]]:
         """Every deployed space with its current version's metadata."""
         found: dict[str, dict[str, object]] = {}
-        for current in sorted(self.spaces_dir.glob("*/*/current")):
-            space = f"{current.parent.parent.name}/{current.parent.name}"
+        # Not glob("*/*/current"): it skips a `current` whose files are not here yet (a
+        # fleet host's pointer, its files fetched on first use), a link to nothing.
+        for sdir in sorted(self.spaces_dir.glob("*/*/")):
+            if not os.path.lexists(sdir / "current"):
+                continue
+            space = f"{sdir.parent.name}/{sdir.name}"
             version = self.current(space)
             meta = self.meta(space, version.number) if version is not None else None
             if meta is not None:

@@ -9,6 +9,9 @@ Layout (native int64 words, so every cell is an aligned 8-byte store)::
     workers      W x 2     per worker row: pid (0 = free or booting), requests in flight
     generations  S         per space slot: bumped by each deploy, delete and release
     releases     S         per space slot: bumped by each release on demand
+    access       S         per space slot: bumped by each change of its access (keys,
+                           private) and each deploy, delete and rollback, so a worker
+                           re-reads the access file it keeps (polyserve.serve.gate)
     held         W x S     per (worker, space): the oldest version number the worker
                            holds or is loading (0 = none), so no version directory in
                            use is pruned and no slot in use is handed to another space
@@ -36,7 +39,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 MAGIC = 0x70_6F_6C_79_73_72_76  # "polysrv"
-LAYOUT_VERSION = 6  # 6: the duration histogram's cells (polyserve.usage.meter)
+LAYOUT_VERSION = 7  # 7: the access words and the keys' cells (polyserve.serve.gate)
 HEADER_WORDS = 8
 H_STARTED, H_ALIVE, H_FOLLOWED = 5, 6, 7
 WORKER_WORDS = 2  # pid, in flight
@@ -91,14 +94,15 @@ class Table:
         gen = HEADER_WORDS + WORKER_WORDS * w
         self.generations = self.words[gen : gen + s]
         self.releases = self.words[gen + s : gen + 2 * s]
-        self.held_base = gen + 2 * s
+        self.access = self.words[gen + 2 * s : gen + 3 * s]
+        self.held_base = gen + 3 * s
         self.cells_base = self.held_base + w * s
         self.base_row = w  # the master's row of restored totals
 
     @staticmethod
     def size_for(worker_rows: int, space_slots: int, cells: int) -> int:
         w, s = worker_rows, space_slots
-        return 8 * (HEADER_WORDS + WORKER_WORDS * w + 2 * s + w * s + (w + 1) * s * cells)
+        return 8 * (HEADER_WORDS + WORKER_WORDS * w + 3 * s + w * s + (w + 1) * s * cells)
 
     def inflight_index(self, row: int) -> int:
         return self.workers_base + WORKER_WORDS * row + 1
@@ -176,7 +180,7 @@ class Table:
 
     def close(self, unlink: bool = False) -> None:
         """Release this process's views; the master also unlinks the name at exit."""
-        for view in (self.pids, self.generations, self.releases, self.words):
+        for view in (self.pids, self.generations, self.releases, self.access, self.words):
             view.release()
         if self._shm is not None:
             self._shm.close()

@@ -26,6 +26,7 @@ from typing import BinaryIO
 
 from polyserve.errors import ClientError, disk_full_is_507
 from polyserve.names import DEFAULT_POOL
+from polyserve.state import access
 from polyserve.state.files import symlink_atomic, write_atomic
 from polyserve.state.history import Event, History, rollback_target
 from polyserve.state.layout import Layout, current_number, read_int
@@ -206,18 +207,21 @@ class Store(Layout):
         return slot, number, current.number, target
 
     def delete(self, space: str) -> int | None:
-        """Undeploy: drop `current` and the space's logs; prune() removes the versions
-        once nobody uses them. Hold locked(); returns the slot, or None when the space is
-        not deployed."""
+        """Undeploy: drop `current`, the space's logs and its secrets; prune() removes
+        the versions once nobody uses them. Hold locked(); returns the slot, or None when
+        the space is not deployed."""
         # Its logs go at once: a redeployed space starts a new log (records its draining
         # requests write meanwhile are dropped: see LogStore.open).
         shutil.rmtree(self.logs_dir / space, ignore_errors=True)
+        # A space deployed again under this name later starts without them.
+        self.secrets.drop(space)
         previous = current_number(self.space_dir(space))
         try:
             os.unlink(self.space_dir(space) / "current")
         except FileNotFoundError:
             return None
         self.history.record(space, "delete", None, previous)
+        access.drop(self.root, space)  # a space deployed again under the name starts public
         return self.slots.slot(space)
 
     def _drop_files(self, space: str, number: int) -> None:

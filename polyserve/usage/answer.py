@@ -16,6 +16,7 @@ import numpy as np
 import orjson
 
 from polyserve import devices
+from polyserve.state import access
 from polyserve.state.shm import Table
 from polyserve.state.store import Store
 from polyserve.usage import meter, prometheus
@@ -64,10 +65,17 @@ class Usage:
         # orjson: the stdlib's encoder was most of the answer's time (bench/NOTES.md,
         # "Where the time goes").
         host = orjson.dumps(host_usage(snap, self.gpus))
+        keyed = key_requests(snap, await self._accesses())
         spaces = self._rendering.spaces(
-            snap.names, fields, values
+            snap.names, fields, values, keyed
         )  # synchronous: answers never interleave over it
         return b'{"spaces":' + spaces + b',"host":' + host + b"}"
+
+    async def _accesses(self) -> dict[str, access.Access]:
+        """Every private space's access file (its keys' cells and bases)."""
+        return await anyio.to_thread.run_sync(
+            access.listed, self.store.root, limiter=self.host_limiter
+        )
 
     async def prometheus(self, fleet: tuple[int, int] | None = None) -> bytes:
         """The /metrics answer; in a fleet, `fleet` is (the last change this host applied,
@@ -136,6 +144,27 @@ def columns(
     return FIELDS + GPU_FIELDS, [*values, snap.gpu_memory_bytes // 1024, t[:, Cell.RECYCLED]]
 
 
+def key_requests(snap: Snapshot, accesses: Mapping[str, access.Access]) -> dict[str, bytes]:
+    """Each keyed space's `"keys": {id: requests}`, encoded: a key's cell's count since
+    the key took the cell (its base). Revoked keys are gone from it."""
+    if not accesses:
+        return {}
+    index = {name: i for i, name in enumerate(snap.names)}
+    found: dict[str, bytes] = {}
+    for space, known in accesses.items():
+        i = index.get(space)
+        if i is None or not known.keys:
+            continue
+        row = snap.totals[i]
+        counts = {
+            str(k.get("id")): int(row[meter.KEY_REQUESTS + int(k.get("cell", 0))])
+            - int(k.get("base", 0))
+            for k in known.keys
+        }
+        found[space] = orjson.dumps(counts)
+    return found
+
+
 def usage(
     snap: Snapshot, mapped: Mapping[str, int] | None = None, gpus: tuple[int, ...] = ()
 ) -> dict[str, object]:
@@ -164,8 +193,15 @@ class Rendering:
         self.values: list[np.ndarray] = []
         self.parts: list[bytes] = []
 
-    def spaces(self, names: list[str], fields: tuple[str, ...], values: list[np.ndarray]) -> bytes:
-        """The encoded `spaces` object for these columns (as columns() gives them)."""
+    def spaces(
+        self,
+        names: list[str],
+        fields: tuple[str, ...],
+        values: list[np.ndarray],
+        keyed: Mapping[str, bytes] | None = None,
+    ) -> bytes:
+        """The encoded `spaces` object for these columns (as columns() gives them), with
+        `keyed` spaces' encoded `keys` (key_requests) added to their objects."""
         if names != self.names or fields != self.fields:
             changed: list[int] | range = range(len(names))
             self.parts = [b""] * len(names)
@@ -179,7 +215,13 @@ class Rendering:
             for i, row in zip(changed, zip(*picked, strict=True), strict=True):
                 self.parts[i] = orjson.dumps({names[i]: dict(zip(fields, row, strict=True))})[1:-1]
         self.names, self.fields, self.values = names, fields, values
-        return b"{" + b",".join(self.parts) + b"}"
+        parts = self.parts
+        if keyed:
+            parts = list(parts)  # the cache keeps the objects without them
+            for i, name in enumerate(names):
+                if name in keyed:
+                    parts[i] = parts[i][:-1] + b',"keys":' + keyed[name] + b"}"
+        return b"{" + b",".join(parts) + b"}"
 
 
 def host_usage(snap: Snapshot, gpus: tuple[int, ...] = ()) -> dict[str, object]:

@@ -23,6 +23,8 @@ Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserv
                      response complete; bounds in polyserve.usage.histogram, not
                      cumulative); their sum is BUSY_US, the same durations. One
                      block per space slot; a version lane would be another block.
+    KEY_REQUESTS     KEY_CELLS cells, the requests answered per key of a private space
+                     (its access file gives each key one of them: polyserve.state.access)
 
 A worker writes only its own row, and only from its event-loop thread (sync handlers
 run in the threadpool, but their requests are metered by the dispatcher on the loop),
@@ -69,7 +71,11 @@ class Cell(IntEnum):
 
 
 DURATION = len(Cell)  # the first of the duration histogram's cells
-CELLS = DURATION + histogram.BUCKETS
+DURATION_END = DURATION + histogram.BUCKETS  # past the histogram's last cell
+# The keys' block, after the histogram's: a key's requests are KEY_REQUESTS + its cell.
+KEY_REQUESTS = DURATION_END
+KEY_CELLS = 8  # a space's keys at most (polyserve.state.access.MAX_KEYS)
+CELLS = KEY_REQUESTS + KEY_CELLS
 _BUCKET = histogram.bucket
 # Plain ints for the request path: an IntEnum member lookup costs more than the store.
 _REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
@@ -89,13 +95,16 @@ TOTALS: tuple[int, ...] = (
     Cell.BATCHES,
     Cell.BATCH_ROWS,
     Cell.RECYCLED,
-    *range(DURATION, CELLS),
+    *range(DURATION, DURATION_END),
+    *range(KEY_REQUESTS, CELLS),
 )
 BILLED = TOTALS[:6]
 _TOTAL_CELLS = [int(c) for c in TOTALS]
 # As checkpoints name them; the histogram's cells by their bucket's bound.
-TOTAL_NAMES = tuple(c.name.lower() for c in TOTALS if isinstance(c, Cell)) + histogram.names(
-    "duration"
+TOTAL_NAMES = (
+    tuple(c.name.lower() for c in TOTALS if isinstance(c, Cell))
+    + histogram.names("duration")
+    + tuple(f"key_requests_{k}" for k in range(KEY_CELLS))
 )
 _TOTAL_INDEX = dict(zip(TOTAL_NAMES, _TOTAL_CELLS, strict=True))
 BILLED_NAMES = TOTAL_NAMES[: len(BILLED)]  # as the fleet's ledger names them
@@ -152,6 +161,10 @@ class Meter:
         words[base + DURATION + _BUCKET(took)] += 1  # the histogram's sum is BUSY_US
         if error:
             words[base + _ERRORS] += 1
+
+    def keyed(self, slot: int, cell: int) -> None:
+        """A request of a private space was answered with the key in `cell`."""
+        self.words[self._row + slot * CELLS + KEY_REQUESTS + cell] += 1
 
     def loaded(self, slot: int, started: int, memory_bytes: int, gpu_bytes: int = 0) -> None:
         """A version finished loading; residency runs from `started`, the load's start."""
@@ -302,6 +315,17 @@ def snapshot(table: Table, ledger: Ledger, now: int) -> Snapshot:
         busy_us=int(summed[:, Cell.BUSY_US].sum()),
         in_flight=int(table.inflight_array().sum()),
     )
+
+
+def key_counts(table: Table, ledger: Ledger, slot: int) -> list[int]:
+    """A slot's KEY_CELLS counts over every row, as the usage answer reads them (with
+    the ledger's offset of a handed-over slot)."""
+    cells = table.cell_array()[:, slot, KEY_REQUESTS:CELLS].sum(axis=0)
+    offset = ledger.offsets.get(slot)
+    if offset is not None:
+        widened = _widen(offset)
+        cells = cells + np.array(widened[len(TOTALS) - KEY_CELLS :], dtype=np.int64)
+    return [int(v) for v in cells]
 
 
 def loaded_by_name(table: Table, ledger: Ledger) -> dict[str, int]:

@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from polyserve.devices import Memory
 from polyserve.usage import histogram
-from polyserve.usage.meter import CELLS, DURATION, RELEASES, Cell, Snapshot
+from polyserve.usage.meter import DURATION, DURATION_END, RELEASES, Cell, Snapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -167,7 +167,7 @@ class _SnapshotCollector:
             labels=["space"],
         )
         bounds = [f"{b / 1e6:g}" for b in histogram.BOUNDS_US] + ["+Inf"]
-        cumulative = np.cumsum(snap.totals[:, DURATION:CELLS], axis=1).tolist()
+        cumulative = np.cumsum(snap.totals[:, DURATION:DURATION_END], axis=1).tolist()
         # The sum of the durations is the busy time: end() adds the same µs to both.
         sums = (snap.totals[:, Cell.BUSY_US] / 1e6).tolist()
         for space, counts, total in zip(snap.names, cumulative, sums, strict=True):

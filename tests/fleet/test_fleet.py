@@ -319,17 +319,50 @@ def test_a_write_after_the_database_restarts_answers_200(
 def test_a_host_serves_what_it_acknowledged_while_the_database_is_down(
     own_postgres: PostgresServer, host_factory
 ):
-    """A deploy's 200 says every live host applied it: each host then serves that version
-    without the database, even one that never had a request for it (the fleet's first
-    change included)."""
+    """A deploy's 200 says every live host applied it: with POLYSERVE_FLEET_FILES=all each
+    host then serves that version without the database, even one that never had a
+    request for it (the fleet's first change included)."""
     url = own_postgres.create_database()
-    a, b = start_fleet(host_factory, url, "ab")
+    a, b = start_fleet(host_factory, url, "ab", POLYSERVE_FLEET_FILES="all")
     deployed(a, "u/first", 1, {"applied": 2, "live": 2})
     own_postgres.stop()
     for host in (a, b):
         r = get(host, "/s/u/first/")
         assert r.status_code == 200, r.text
         assert r.json()["v"] == 1
+
+
+def files_here(host: HostProcess, space: str) -> list[int]:
+    """The versions of `space` whose files are unpacked in `host`'s data directory."""
+    versions = host.data_dir / "spaces" / space / "versions"
+    if not versions.is_dir():
+        return []
+    return sorted(int(p.name) for p in versions.iterdir() if p.is_dir())
+
+
+def test_a_host_holds_the_files_of_what_it_serves_and_fetches_the_rest_on_first_request(
+    own_postgres: PostgresServer, host_factory
+):
+    """POLYSERVE_FLEET_FILES=served: a deploy moves every host's pointer, but only a host
+    that has served the space fetches its files; another fetches them on its first
+    request, then follows the space's deploys with their files. With the database away,
+    a space a host has files of keeps serving; another answers 503 with Retry-After."""
+    url = own_postgres.create_database()
+    a, b = start_fleet(host_factory, url, "ab")
+    deployed(a, "u/lazy", 1, {"applied": 2, "live": 2})
+    assert files_here(a, "u/lazy") == files_here(b, "u/lazy") == []
+    assert version(b, "u/lazy") == 1  # its first request here fetches v1
+    assert files_here(b, "u/lazy") == [1]
+    deployed(a, "u/lazy", 2, {"applied": 2, "live": 2})
+    assert 2 in files_here(b, "u/lazy")  # fetched as the deploy arrived: b serves the space
+    assert [version(b, "u/lazy") for _ in range(5)] == [2] * 5
+    assert files_here(a, "u/lazy") == []  # a received both deploys and never served them
+    own_postgres.stop()
+    assert [version(b, "u/lazy") for _ in range(5)] == [2] * 5
+    r = get(a, "/s/u/lazy/")
+    assert r.status_code == 503, r.text
+    assert "not on this host" in r.json()["error"] and r.json()["space"] == "u/lazy"
+    assert int(r.headers["retry-after"]) > 0
 
 
 # -- usage -----------------------------------------------------------------------------
@@ -433,7 +466,7 @@ def test_a_partitioned_host_keeps_serving_and_answers_503_for_writes(
     host."""
     server, netns = partitioned_postgres
     url = server.create_database()
-    a, b = start_fleet(host_factory, url, "ab")
+    a, b = start_fleet(host_factory, url, "ab", POLYSERVE_FLEET_FILES="all")
     deployed(a, "u/n", 1, {"applied": 2, "live": 2})  # A's worker now holds a connection
     deployed(a, "u/n", 2, {"applied": 2, "live": 2})  # applied eagerly: files on both hosts
     netns.cut()

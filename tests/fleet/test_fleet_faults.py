@@ -421,7 +421,8 @@ def test_a_stalled_database_holds_no_worker_and_its_calls_answer_503(
     first request, an import, answers before any of them (the database's calls have
     threads of their own, never the imports')."""
     url = own_postgres.create_database()
-    a = fleet_host(host_factory, url, "a", POLYSERVE_FLEET_TIMEOUT_S="3")
+    eager = {"POLYSERVE_FLEET_FILES": "all"}  # the deploy's files come with it
+    a = fleet_host(host_factory, url, "a", POLYSERVE_FLEET_TIMEOUT_S="3", **eager)
     until(lambda: live(url) == {"a"}, what="A to be live")
     deployed(a, "u/cold", OK % 1)  # applied, never requested: its first request imports
     pids = stall(own_postgres, signal.SIGSTOP)

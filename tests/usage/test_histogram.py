@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from polyserve.state.shm import Table
 from polyserve.state.slots import Ledger
 from polyserve.usage import histogram, meter, prometheus
-from polyserve.usage.meter import CELLS, DURATION, Cell, Meter
+from polyserve.usage.meter import CELLS, DURATION, DURATION_END, Cell, Meter
 
 
 def test_a_duration_goes_to_the_first_bucket_whose_bound_holds_it():
@@ -37,7 +37,7 @@ def test_requests_of_two_workers_sum_into_cumulative_buckets_with_count_and_sum(
         clock.now = us
         meters[i % 2].end(0, started, error=False)
     snap = meter.snapshot(table, Ledger(["o/a"], {}, {}), 0)
-    cells = snap.totals[0, DURATION:CELLS].tolist()
+    cells = snap.totals[0, DURATION:DURATION_END].tolist()
     assert sum(cells) == len(took) and snap.totals[0, Cell.BUSY_US] == sum(took)
     text = prometheus.exposition(snap).decode()
     (family,) = [

@@ -41,6 +41,7 @@ def test_every_region_of_the_layout_is_distinct():
     generations = HEADER_WORDS + 2 * 3
     indices += [generations + s for s in range(5)]
     indices += [generations + 5 + s for s in range(5)]  # release words
+    indices += [generations + 10 + s for s in range(5)]  # access words
     indices += [table.held_index(w, s) for w in range(3) for s in range(5)]
     indices += [table.cell_index(r, s, c) for r in range(4) for s in range(5) for c in range(CELLS)]
     for i in indices:
@@ -50,6 +51,8 @@ def test_every_region_of_the_layout_is_distinct():
     assert table.words[0] == MAGIC and table.words[2:5].tolist() == [3, 5, CELLS]
     table.generations[4] = 7
     assert table.words[generations + 4] == 7
+    table.access[4] = 9
+    assert table.words[generations + 14] == 9
     table.releases[0] = 8
     assert table.words[generations + 5] == 8
     table.pids[2] = 99

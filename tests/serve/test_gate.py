@@ -1,0 +1,98 @@
+"""The key check alone (polyserve/serve/gate.py), on a real store and an anonymous table,
+with an injected clock: what it lets through, refuses, and when it reads access again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from polyserve.serve.gate import PUBLIC, Gate, Refused
+from polyserve.state import access
+from polyserve.state.shm import Table
+from polyserve.state.store import Store
+from polyserve.usage.meter import CELLS
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> tuple[Store, Table, Gate, Clock]:
+    store, table, clock = Store(tmp_path, 4, 3), Table.anonymous(1, 4, CELLS), Clock()
+    with store.locked():
+        store.slots.allocate("o/s", lambda _: False, None, sync=False)
+    return store, table, Gate(store, table, clock), clock
+
+
+def headers(key: str | None) -> list[tuple[bytes, bytes]]:
+    found = [(b"host", b"h")]
+    return found if key is None else [*found, (b"authorization", f"Bearer {key}".encode())]
+
+
+def change(store: Store, table: Table, state: access.Access) -> None:
+    """What Changes.access does: the file, then the access word."""
+    access.write(store.root, "o/s", state)
+    table.access[store.slots.slot("o/s") or 0] += 1
+
+
+def test_public_until_the_word_moves(world) -> None:
+    """A file written without bumping the word is not read: the word is what moves it."""
+    store, table, gate, _ = world
+    assert gate.check("o/s", headers(None)) == PUBLIC
+    access.write(store.root, "o/s", access.Access(private=True))
+    assert gate.check("o/s", headers(None)) == PUBLIC
+    table.access[store.slots.slot("o/s") or 0] += 1
+    with pytest.raises(Refused) as refused:
+        gate.check("o/s", headers(None))
+    assert refused.value.status == 401 and "Bearer" in str(refused.value.body["error"])
+
+
+def test_keys_pass_until_revoked(world) -> None:
+    store, table, gate, _ = world
+    state, first = access.mint(access.Access(private=True), "o/s", None)
+    state, second = access.mint(state, "o/s", None)
+    change(store, table, state)
+    assert gate.check("o/s", headers(str(first["key"]))) == 0
+    assert gate.check("o/s", headers(str(second["key"]))) == 1
+    assert gate.check("o/s", headers(str(second["key"]))) == 1  # remembered: the same
+    change(store, table, access.revoke(state, "o/s", str(second["id"])))
+    with pytest.raises(Refused) as refused:
+        gate.check("o/s", headers(str(second["key"])))
+    assert refused.value.status == 401 and "not one of" in str(refused.value.body["error"])
+    assert gate.check("o/s", headers(str(first["key"]))) == 0
+    for wrong in ("Basic abc", "Bearer ", "bearer nope"):
+        with pytest.raises(Refused):
+            gate.check("o/s", [(b"authorization", wrong.encode())])
+
+
+def test_a_rate_refills_with_the_clock(world) -> None:
+    """Rate 2: a burst of 2, then 429 with Retry-After; half a second gives one more."""
+    store, table, gate, clock = world
+    state, minted = access.mint(access.Access(private=True), "o/s", 2.0)
+    change(store, table, state)
+    key = headers(str(minted["key"]))
+    assert gate.check("o/s", key) == 0
+    assert gate.check("o/s", key) == 0
+    with pytest.raises(Refused) as refused:
+        gate.check("o/s", key)
+    assert refused.value.status == 429 and refused.value.headers == {"retry-after": "1"}
+    clock.now += 0.5
+    assert gate.check("o/s", key) == 0
+    with pytest.raises(Refused):
+        gate.check("o/s", key)
+    # Another change of access keeps what the key has spent in this worker.
+    change(store, table, access.set_private(state, True))
+    with pytest.raises(Refused):
+        gate.check("o/s", key)
+
+
+def test_a_space_without_a_slot_is_not_kept(world) -> None:
+    _, _, gate, _ = world
+    assert gate.check("never/deployed", headers(None)) == PUBLIC
+    assert "never/deployed" not in gate._seen
