@@ -136,19 +136,12 @@ class Deploys:
 
     async def _dependencies(self, staged: Staged) -> deps.Installed | None:
         """The staged version's dependency set, installed (or found installed), or None
-        when it declares none. Refusals are ClientErrors; nothing is published yet."""
+        when it declares none. Refusals are ClientErrors; nothing is published yet. In a
+        fleet this host resolves it once: the metadata's `dependencies` carries the pins,
+        which every other host installs before it applies the version (fleet/catchup.py)."""
         requested = await self._run(requirements.read, staged.dir, self.settings)
         if requested is None:
             return None
-        if self.fleet is not None:
-            # Each host would have to install the set before it applies the version;
-            # until the follower does, refuse rather than publish what hosts cannot load.
-            raise ClientError(
-                422,
-                f"{requested.source} declares dependencies, which a fleet host cannot"
-                " install yet: deploy to a single host, or install them on every host",
-                source=requested.source,
-            )
         return await deps.install(requested, self.store.root, self.settings)
 
     async def undeploy(self, space: str) -> tuple[int, dict[str, object]]:
