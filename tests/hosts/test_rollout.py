@@ -207,3 +207,48 @@ def test_a_rollout_survives_a_restart_of_the_host(tmp_path: Path):
         assert state(again, "ro/restart")["versions"]["2"]["requests"] == seen["two"]
     finally:
         again.stop()
+
+
+def test_the_command_starts_and_watches_a_rollout_pauses_and_shows_it(host, tmp_path):
+    from tests.cli.test_cli import ok, polyserve
+
+    first, second = tmp_path / "one.py", tmp_path / "two.py"
+    first.write_text(source("one"))
+    second.write_text(source("two"))
+    ok(polyserve("deploy", str(first), "--space", "ro/cli", url=host.url))
+    out = ok(polyserve("deploy", str(second), "--space", "ro/cli", "--no-current", url=host.url))
+    assert "v2" in out and "not current" in out
+    assert current(host, "ro/cli") == 1
+    out = ok(
+        polyserve(
+            "rollout",
+            "ro/cli",
+            "--version",
+            "2",
+            "--steps",
+            "50,100",
+            "--step-s",
+            "1",
+            url=host.url,
+        )
+    )
+    lines = out.splitlines()
+    # A live line per step: 50%, then completed at 100%.
+    assert "running, step 1/2 (v1 50% / v2 50%)" in lines[0], out
+    assert "completed" in lines[-2] and "version 2 is current" in lines[-1], out
+    assert current(host, "ro/cli") == 2
+    shown = ok(polyserve("rollout", "ro/cli", url=host.url))
+    assert shown.startswith("ro/cli v1 -> v2: completed"), shown
+    # Pause and abort a second one through the command.
+    third = tmp_path / "three.py"
+    third.write_text(source("three"))
+    ok(polyserve("deploy", str(third), "--space", "ro/cli", "--no-current", url=host.url))
+    ok(
+        polyserve(
+            "rollout", "ro/cli", "--version", "3", "--step-s", "3600", "--no-watch", url=host.url
+        )
+    )
+    assert "paused" in ok(polyserve("rollout", "ro/cli", "--pause", url=host.url))
+    assert "aborted" in ok(polyserve("rollout", "ro/cli", "--abort", url=host.url))
+    refused = polyserve("rollout", "ro/cli", "--resume", url=host.url)
+    assert refused.returncode == 1 and "is over (aborted)" in refused.stderr
