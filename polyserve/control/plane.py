@@ -281,9 +281,15 @@ class ControlPlane:
 
     async def list_spaces(self, request: Request) -> Response:
         host = self.running
-        spaces = await anyio.to_thread.run_sync(
-            host.store.spaces, limiter=host.deploys.host_limiter
-        )
+
+        def read() -> dict[str, dict[str, object]]:
+            found = host.store.spaces()
+            for space, running in rollouts.live(host.store.root).items():
+                if space in found:  # a running rollout, for the dashboard's row
+                    found[space]["rollout"] = running
+            return found
+
+        spaces = await anyio.to_thread.run_sync(read, limiter=host.deploys.host_limiter)
         return JSONResponse({"spaces": spaces})
 
     async def usage(self, request: Request) -> Response:

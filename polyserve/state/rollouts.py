@@ -61,6 +61,24 @@ def write(root: Path, state: dict[str, Any]) -> None:
     write_atomic(target, json.dumps(state).encode(), fsync=True)
 
 
+def live(root: Path) -> dict[str, dict[str, Any]]:
+    """Every running or paused rollout, by space: what the spaces list shows of it."""
+    found: dict[str, dict[str, Any]] = {}
+    try:
+        names = list((root / DIR).iterdir())
+    except FileNotFoundError:
+        return found
+    for p in names:
+        try:
+            state = json.loads(p.read_bytes())
+        except (FileNotFoundError, ValueError):
+            continue
+        if state.get("status") in LIVE:
+            keys = ("version", "old", "status", "step", "steps", "weight")
+            found[str(state["space"])] = {k: state[k] for k in keys}
+    return found
+
+
 def word(version: int, percent: int) -> int:
     """The table's word of a live rollout: its new version and its percent (0: none)."""
     return version << 8 | percent
