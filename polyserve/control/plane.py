@@ -172,7 +172,12 @@ class ControlPlane:
             return JSONResponse(await self._thread(read))
         space = self._space_to_write(request)
         self._local_only()
-        asked = rollouts.parse(await _small_body(request, rollouts.EXPECTED))
+        body = await _small_body(request, rollouts.EXPECTED)
+        # A space that is not deployed is a 404 whatever the body: its steps are judged
+        # only for a space that could take them.
+        if await self._thread(partial(host.store.current, space)) is None:
+            raise ClientError(404, f"space {space} is not deployed", space=space)
+        asked = rollouts.parse(body)
         started = partial(rollouts.start, host.store, host.table, space, asked)
         return JSONResponse(await self._thread(started))
 
