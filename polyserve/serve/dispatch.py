@@ -85,11 +85,12 @@ class Dispatch:
             try:
                 if version is None:
                     active = self.registry.lease_current(space) or await self.registry.lease(space)
-                    chosen = (
-                        0
-                        if self.split is None
-                        else self.split.choose(active.slot, space, scope["headers"])
-                    )
+                    split = self.split
+                    # One word read when no rollout runs: the rest only while one does.
+                    if split is not None and split.words[active.slot]:
+                        chosen = split.choose(active.slot, space, scope["headers"])
+                    else:
+                        chosen = 0
                     if chosen and chosen != active.version.number:
                         # A rollout's choice: the only way two versions serve plain requests.
                         self.registry.end_lease(active)
