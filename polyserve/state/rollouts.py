@@ -305,16 +305,16 @@ class Driver:
                 self.look(state)
 
     def look(self, state: dict[str, Any]) -> None:
-        """One live rollout: its word set, its step moved if it ended."""
+        """One live rollout: its word set, its step moved if it ended (on a fleet host,
+        the follower moves the steps: this thread keeps the words and the bases)."""
         space = str(state["space"])
         slot = self.store.slots.slot(space)
         now = time.time()
         due = state["status"] == "running" and now - state["step_started_at"] >= state["step_s"]
-        restarted = state["boot"] != self.table.header(H_STARTED)
+        due = due and self.changes is not None
+        restarted = state.get("boot") != self.table.header(H_STARTED)
         if slot is not None and not (due or restarted):
             self.table.rollouts[slot] = word(int(state["version"]), int(state["weight"]))
-            return
-        if self.changes is None:
             return
         announce = False
         with self.forking, self.store.locked():
@@ -322,55 +322,72 @@ class Driver:
             if state["status"] not in LIVE:
                 return
             current = self.store.current(space)
-            if slot is None or current is None:
+            if restarted and slot is not None:
+                # The lane cells are this boot's: the step's counts start again here.
+                state.update(boot=self.table.header(H_STARTED), base=counts(self.table, slot))
+                if self.changes is not None:  # a fleet's step has the fleet's clock
+                    state["step_started_at"] = now
+                log.info("%s: its rollout continues at step %d", space, state["step"] + 1)
+            elif self.changes is None:
+                return
+            elif slot is None or current is None:
                 _end(self.store, self.table, state, "aborted", "the space was deleted", now)
             elif current.number != state["old"]:
                 why = f"version {current.number} was made current meanwhile"
                 _end(self.store, self.table, state, "aborted", why, now)
-            elif restarted:
-                # The lane cells are this boot's: the step starts again from here.
-                state.update(boot=self.table.header(H_STARTED), base=counts(self.table, slot))
-                state["step_started_at"] = now
-                log.info("%s: its rollout continues at step %d", space, state["step"] + 1)
             else:
                 announce = self._judge(state, slot, now)
             write(self.store.root, state)
             if state["status"] in LIVE and slot is not None:
                 self.table.rollouts[slot] = word(int(state["version"]), int(state["weight"]))
-        if announce:
+        if announce and self.changes is not None:
             self.changes.announce()
 
     def _judge(self, state: dict[str, Any], slot: int, now: float) -> bool:
         """The step ended: roll back, take the next step, or make the new version
         current. Hold the store lock; returns whether current moved."""
         assert self.changes is not None
-        step = _step(self.table, slot, state)
-        new, old = step["new"], step["old"]
-        entry = {"step": state["step"] + 1, "weight": state["weight"], "ended_at": now, **step}
-        state["history"].append(entry)
-        limit = old["error_rate"] + state["max_error_rate"]
+        outcome = decide(state, _step(self.table, slot, state), now)
         space, version = str(state["space"]), int(state["version"])
-        if new["requests"] and new["error_rate"] > limit:
-            reason = (
-                f"step {entry['step']} ({state['weight']}%): version {version} failed"
-                f" {new['errors']} of {new['requests']} requests ({new['error_rate']:.1%}),"
-                f" version {state['old']} {old['errors']} of {old['requests']}"
-                f" ({old['error_rate']:.1%}): more than max_error_rate"
-                f" {state['max_error_rate']:g} above the old version's"
-            )
-            _end(self.store, self.table, state, "rolled_back", reason, now)
-            log.warning("%s: rollout rolled back: %s", space, reason)
+        if outcome == "rolled_back":
+            _end(self.store, self.table, state, "rolled_back", str(state["reason"]), now)
+            log.warning("%s: rollout rolled back: %s", space, state["reason"])
             return False
-        state["step"] += 1
-        state["weight"] = state["steps"][state["step"]]
         state["base"] = counts(self.table, slot)
-        state["step_started_at"] = now
-        if state["weight"] < 100:
+        if outcome == "next":
             return False
         # The last step: the new version becomes current as a rollback moves it (bump,
         # prune, announce), so the deploy contract holds for whoever asks next.
         moved = self.store.reactivate(space, version)[0]
         self.changes.moved(space, moved)
-        _end(self.store, self.table, state, "completed", f"version {version} is current", now)
+        _end(self.store, self.table, state, "completed", str(state["reason"]), now)
         log.info("%s: rollout completed, version %d is current", space, version)
         return True
+
+
+def decide(state: dict[str, Any], step: dict[str, Any], now: float) -> str:
+    """A step ended with these counts (_step's): record it in the state's history and
+    say what follows: "rolled_back" (the reason set), "next" (the next step set), or
+    "completed" (its reason set; the caller makes the version current). The same on a
+    single host and for a fleet (polyserve/fleet/rollouts.py)."""
+    new, old = step["new"], step["old"]
+    entry = {"step": state["step"] + 1, "weight": state["weight"], "ended_at": now, **step}
+    state["history"].append(entry)
+    limit = old["error_rate"] + state["max_error_rate"]
+    version = int(state["version"])
+    if new["requests"] and new["error_rate"] > limit:
+        state["reason"] = (
+            f"step {entry['step']} ({state['weight']}%): version {version} failed"
+            f" {new['errors']} of {new['requests']} requests ({new['error_rate']:.1%}),"
+            f" version {state['old']} {old['errors']} of {old['requests']}"
+            f" ({old['error_rate']:.1%}): more than max_error_rate"
+            f" {state['max_error_rate']:g} above the old version's"
+        )
+        return "rolled_back"
+    state["step"] += 1
+    state["weight"] = state["steps"][state["step"]]
+    state["step_started_at"] = now
+    if state["weight"] < 100:
+        return "next"
+    state["reason"] = f"version {version} is current"
+    return "completed"
