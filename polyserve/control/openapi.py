@@ -248,7 +248,6 @@ SPEC: dict[str, Any] = {
                     "404": _error("the space is not deployed, or that version is not kept"),
                     "409": _error("a rollout runs already, or that version is current"),
                     "422": _error("the body is not valid, and why"),
-                    "501": _error("a fleet host: rollouts are a single host's for now"),
                 },
             },
         },

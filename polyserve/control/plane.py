@@ -39,6 +39,7 @@ from polyserve.usage.answer import Only
 from polyserve.usage.meter import now_us
 
 if TYPE_CHECKING:
+    from polyserve.fleet.changes import Change
     from polyserve.fleet.client import FleetClient
 
 _T = TypeVar("_T")
@@ -171,13 +172,16 @@ class ControlPlane:
             read = partial(rollouts.view, host.store, host.table, space=space)
             return JSONResponse(await self._thread(read))
         space = self._space_to_write(request)
-        self._local_only()
         body = await _small_body(request, rollouts.EXPECTED)
         # A space that is not deployed is a 404 whatever the body: its steps are judged
         # only for a space that could take them.
         if await self._thread(partial(host.store.current, space)) is None:
             raise ClientError(404, f"space {space} is not deployed", space=space)
         asked = rollouts.parse(body)
+        fleet = host.deploys.fleet
+        if fleet is not None:  # the fleet's state, applied by every host before the answer
+            change, _ = await fleet.run(fleet.db.rollout_start, space, asked)
+            return await self._fleet_rollout(space, change)
         started = partial(rollouts.start, host.store, host.table, space, asked)
         return JSONResponse(await self._thread(started))
 
@@ -187,15 +191,22 @@ class ControlPlane:
         action = request.path_params["action"]
         if action not in ("pause", "resume", "abort"):
             raise ClientError(404, f"no rollout action {action[:40]!r}: pause, resume or abort")
-        self._local_only()
         host = self.running
+        fleet = host.deploys.fleet
+        if fleet is not None:
+            change, _ = await fleet.run(fleet.db.rollout_act, space, action)
+            return await self._fleet_rollout(space, change)
         return JSONResponse(
             await self._thread(partial(rollouts.act, host.store, host.table, space, action))
         )
 
-    def _local_only(self) -> None:
-        if self.running.deploys.fleet is not None:
-            raise ClientError(501, "rollouts are a single host's for now: not in a fleet")
+    async def _fleet_rollout(self, space: str, change: Change) -> Response:
+        """A committed rollout change: once every live host applied it, this host's view."""
+        host = self.running
+        assert host.deploys.fleet is not None
+        status, hosts = await host.deploys.fleet.applied(change)
+        body = await self._thread(partial(rollouts.view, host.store, host.table, space=space))
+        return JSONResponse({**body, "hosts": hosts}, status_code=status)
 
     async def _thread(self, func: Callable[[], _T]) -> _T:
         return await anyio.to_thread.run_sync(func, limiter=self.running.deploys.host_limiter)

@@ -71,8 +71,6 @@ class Deploys:
         current=False the version is stored and validated but `current` stays where it
         is (a rollout's new version, docs/rollouts.md)."""
         s = self.settings
-        if not current and self.fleet is not None:
-            raise ClientError(501, "current=false is a single host's for now: not in a fleet")
         staged = await self._run(self.store.stage, upload, filename, s.max_unpacked_mb << 20)
         try:
             installed = await self._dependencies(staged)
@@ -98,8 +96,9 @@ class Deploys:
                 meta = {**checked, "space": space, "sha256": staged.sha256, "size": staged.size}
                 meta |= {"entry": staged.entry, "pool": staged.pool, "upload": filename}
                 meta["deployed_at"] = time.time()
+                commit = partial(self.fleet.deploy, current=current)
                 change = await self.fleet.run(
-                    self.fleet.deploy, space, upload, staged.sha256, meta, staged.unpacked
+                    commit, space, upload, staged.sha256, meta, staged.unpacked
                 )
                 number = change.version or 0
         finally:

@@ -229,7 +229,7 @@ def view(
             totals[v][1] += step[key]["errors"]
     slot = store.slots.slot(str(state["space"]))
     if state["status"] in LIVE and slot is not None and state["boot"] == table.header(H_STARTED):
-        live = _step(table, slot, state)
+        live = step_counts(table, slot, state)
         for v, key in ((new, "new"), (old, "old")):
             totals[v][0] += live[key]["requests"]
             totals[v][1] += live[key]["errors"]
@@ -239,7 +239,7 @@ def view(
     return out
 
 
-def _step(table: Table, slot: int, state: dict[str, Any]) -> dict[str, Any]:
+def step_counts(table: Table, slot: int, state: dict[str, Any]) -> dict[str, Any]:
     """The step so far: each version's requests, errors and error rate since its base."""
     req, err, lane_req, lane_err = (
         a - b for a, b in zip(counts(table, slot), state["base"], strict=True)
@@ -347,7 +347,7 @@ class Driver:
         """The step ended: roll back, take the next step, or make the new version
         current. Hold the store lock; returns whether current moved."""
         assert self.changes is not None
-        outcome = decide(state, _step(self.table, slot, state), now)
+        outcome = decide(state, step_counts(self.table, slot, state), now)
         space, version = str(state["space"]), int(state["version"])
         if outcome == "rolled_back":
             _end(self.store, self.table, state, "rolled_back", str(state["reason"]), now)
