@@ -222,7 +222,10 @@ def when_ready(server: Any) -> None:
         _master.thread.start()
         # One process moves every rollout's steps: this master, not each worker.
         kept = Store(s.data_dir, s.max_spaces, s.keep_versions)  # its prune keeps as workers'
-        driver = rollouts.Driver(kept, _master.table, Changes(kept, Broadcast(_master.table, None)))
+        # On a fleet host the follower moves the steps (polyserve/fleet/rollouts.py): this
+        # thread keeps the table's words and a restarted boot's bases only.
+        changes = None if s.database_url else Changes(kept, Broadcast(_master.table, None))
+        driver = rollouts.Driver(kept, _master.table, changes)
         threading.Thread(
             target=driver.run, args=(_master.stop,), name="rollouts", daemon=True
         ).start()
