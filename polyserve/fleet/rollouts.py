@@ -243,8 +243,7 @@ def apply(catchup: CatchUp, space: str, version: int | None) -> None:
                 store.unpin(space, v)
         rollouts.write(store.root, state)
         if slot is not None:
-            weight = int(state["weight"])
-            table.rollouts[slot] = rollouts.word(int(state["version"]), weight) if live else 0
+            table.rollouts[slot] = rollouts.word_of(state) if live else 0
 
 
 def tick(catchup: CatchUp, host: str) -> None:

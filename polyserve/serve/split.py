@@ -31,7 +31,7 @@ class Split:
         found = self.words[slot]
         if not found:
             return 0
-        version, percent = found >> 8, found & 0xFF
+        version, percent = (found >> 8) & 0xFFFFFFFF, found & 0xFF
         known = self._headers.get(slot)
         if known is None or known[0] != found:
             # Read once per step: the word moves at each one.

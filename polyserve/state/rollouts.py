@@ -79,9 +79,17 @@ def live(root: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
-def word(version: int, percent: int) -> int:
-    """The table's word of a live rollout: its new version and its percent (0: none)."""
-    return version << 8 | percent
+def word(version: int, percent: int, tag: int = 0) -> int:
+    """The table's word of a live rollout: its new version and its percent (0: none),
+    and a tag of the rollout (from its start), so a worker that cached the sticky header
+    of an earlier rollout of the same version and percent reads the file again."""
+    return (tag & 0xFFFF) << 40 | version << 8 | percent
+
+
+def word_of(state: dict[str, Any]) -> int:
+    """A live state's word (word())."""
+    tag = int(float(state["started_at"]) * 1000)
+    return word(int(state["version"]), int(state["weight"]), tag)
 
 
 def counts(table: Table, slot: int) -> list[int]:
@@ -185,7 +193,7 @@ def start(store: Store, table: Table, space: str, asked: dict[str, Any]) -> dict
             "history": [],
         }
         write(store.root, state)
-        table.rollouts[slot] = word(new, state["weight"])
+        table.rollouts[slot] = word_of(state)
     return view(store, table, state)
 
 
@@ -314,7 +322,7 @@ class Driver:
         due = due and self.changes is not None
         restarted = state.get("boot") != self.table.header(H_STARTED)
         if slot is not None and not (due or restarted):
-            self.table.rollouts[slot] = word(int(state["version"]), int(state["weight"]))
+            self.table.rollouts[slot] = word_of(state)
             return
         announce = False
         with self.forking, self.store.locked():
@@ -339,7 +347,7 @@ class Driver:
                 announce = self._judge(state, slot, now)
             write(self.store.root, state)
             if state["status"] in LIVE and slot is not None:
-                self.table.rollouts[slot] = word(int(state["version"]), int(state["weight"]))
+                self.table.rollouts[slot] = word_of(state)
         if announce and self.changes is not None:
             self.changes.announce()
 

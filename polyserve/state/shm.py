@@ -13,7 +13,7 @@ Layout (native int64 words, so every cell is an aligned 8-byte store)::
                            private) and each deploy, delete and rollback, so a worker
                            re-reads the access file it keeps (polyserve.serve.gate)
     rollouts     S         per space slot: its running rollout's word (polyserve.state.
-                           rollouts: the new version and its percent; 0 = none), written
+                           rollouts: the new version, its percent and a tag; 0 = none), written
                            by the master's rollout thread
     held         W x S     per (worker, space): the oldest version number the worker
                            holds or is loading (0 = none), so no version directory in
