@@ -13,8 +13,10 @@ Layout (native int64 words, so every cell is an aligned 8-byte store)::
                            private) and each deploy, delete and rollback, so a worker
                            re-reads the access file it keeps (polyserve.serve.gate)
     rollouts     S         per space slot: its running rollout's word (polyserve.state.
-                           rollouts: the new version, its percent and a tag; 0 = none), written
-                           by the master's rollout thread
+                           rollouts: the new version, its percent and a tag; 0 = none),
+                           written from the rollout's file under the store lock (by the
+                           master's rollout thread, a start or an abort; on a fleet host
+                           also its follower), so every writer writes the file's word
     held         W x S     per (worker, space): the oldest version number the worker
                            holds or is loading (0 = none), so no version directory in
                            use is pruned and no slot in use is handed to another space
