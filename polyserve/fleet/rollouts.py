@@ -122,7 +122,7 @@ class RolloutRows(Connection):
             return _commit(conn, space, state), state
 
     def rollout_report(self, space: str, host: str, state: dict[str, Any], counts: Any) -> None:
-        """This host's counts of the step under way (rollouts._step's)."""
+        """This host's counts of the step under way (rollouts.step_counts')."""
         with self.session() as conn:
             conn.execute(
                 "INSERT INTO polyserve_rollout_counts (space, host, started_at, step, counts)"

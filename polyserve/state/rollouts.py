@@ -374,7 +374,7 @@ class Driver:
 
 
 def decide(state: dict[str, Any], step: dict[str, Any], now: float) -> str:
-    """A step ended with these counts (_step's): record it in the state's history and
+    """A step ended with these counts (step_counts'): record it in the state's history and
     say what follows: "rolled_back" (the reason set), "next" (the next step set), or
     "completed" (its reason set; the caller makes the version current). The same on a
     single host and for a fleet (polyserve/fleet/rollouts.py)."""
