@@ -23,6 +23,7 @@ from typing import Any, TypeVar, assert_never
 import psycopg
 
 from polyserve.errors import ClientError
+from polyserve.fleet import rollouts
 from polyserve.fleet.changes import Change
 from polyserve.fleet.connection import Unreachable
 from polyserve.fleet.db import FleetDB
@@ -163,6 +164,8 @@ class CatchUp:
                 self.changes.access(change.space, _replaced(found))
         elif change.kind == "secrets":
             self._secrets(change.space)
+        elif change.kind == "rollout":
+            rollouts.apply(self, change.space, change.version)
         else:
             assert_never(change.kind)
 
@@ -212,6 +215,27 @@ class CatchUp:
             finally:
                 if staged is not None:
                     self.store.discard(staged)
+
+    def keep(self, space: str, number: int) -> None:
+        """Keep a fleet version beside the current one (a deploy with current=false, a
+        rollout's new version): its files too when it runs in this host's pool."""
+        stored = self.db.fetch(space, number, self.settings.pool)
+        if stored is None:
+            return  # gone from the fleet store: a later change supersedes it
+        staged = None
+        if stored.size is not None:
+            stored = dataclasses.replace(stored, meta=self._installed(number, stored.meta))
+            staged = download(
+                self.db, self.store, space, stored, self.settings.max_unpacked_mb << 20
+            )
+        try:
+            with self.store.locked():
+                if staged is not None:
+                    self.store.place(space, number, staged)
+                self.store.keep(space, number, stored.meta)
+        finally:
+            if staged is not None:
+                self.store.discard(staged)
 
     def _place(self, space: str, stored: Stored, staged: Staged | None) -> int | None:
         """Under the store lock, make a fleet version current: with the files just staged,

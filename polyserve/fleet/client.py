@@ -84,14 +84,20 @@ class FleetClient:
         return (202 if lagging or skipped else 200), body
 
     def deploy(
-        self, space: str, upload: BinaryIO, sha256: str, meta: dict[str, Any], unpacked: int
+        self,
+        space: str,
+        upload: BinaryIO,
+        sha256: str,
+        meta: dict[str, Any],
+        unpacked: int,
+        current: bool = True,
     ) -> Change:
         """Commit a validated upload, streamed from its file, unless some live host could
         not apply it (ClientError 507 or 413: nothing is committed). On the fleet's
         threads (run)."""
         s = self.settings
         fit = Fit(s.host_id, s.fleet_live_s, unpacked)
-        return self.db.deploy(space, upload, sha256, meta, fit)
+        return self.db.deploy(space, upload, sha256, meta, fit, current)
 
     async def fetch(self, version: Version) -> None:
         """A version this host knows only by its pointer: its files, on first use, and

@@ -22,6 +22,7 @@ import uuid
 
 import psycopg
 
+from polyserve.fleet import rollouts
 from polyserve.fleet.catchup import CatchUp
 from polyserve.fleet.connection import Unreachable
 from polyserve.fleet.db import FleetDB
@@ -116,6 +117,7 @@ class Follower:
         while not self.stop.is_set() and (left := end - time.monotonic()) > 0:
             if next(listener.notifies(timeout=min(left, STOP_CHECK_S), stop_after=1), None):
                 return
+            rollouts.tick(self.catchup, s.host_id)  # a rollout's step decided (or not)
 
     def _join(self) -> None:
         """Join the fleet: this process's first join may take over from an earlier boot;

@@ -33,6 +33,9 @@ Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserv
     FIRST_BYTE_US    one cell, the sum of FIRST_BYTE's times (µs)
     KEY_REQUESTS     KEY_CELLS cells, the requests answered per key of a private space
                      (its access file gives each key one of them: polyserve.state.access)
+    LANE_REQUESTS    requests a running rollout sent to its new version (the old
+    LANE_ERRORS      version's are the space's minus these); of those, errors. Not
+                     totals: a rollout's step reads them as differences within one boot
 
 A worker writes only its own row, and only from its event-loop thread (sync handlers
 run in the threadpool, but their requests are metered by the dispatcher on the loop),
@@ -90,7 +93,9 @@ FIRST_BYTE_US = QUEUE_US + 1
 # The keys' block, after the histograms': a key's requests are KEY_REQUESTS + its cell.
 KEY_REQUESTS = FIRST_BYTE_US + 1
 KEY_CELLS = 8  # a space's keys at most (polyserve.state.access.MAX_KEYS)
-CELLS = KEY_REQUESTS + KEY_CELLS
+LANE_REQUESTS = KEY_REQUESTS + KEY_CELLS  # the lane of a rollout's new version
+LANE_ERRORS = LANE_REQUESTS + 1
+CELLS = LANE_ERRORS + 1
 _BUCKET = histogram.bucket
 # Plain ints for the request path: an IntEnum member lookup costs more than the store.
 _REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
@@ -115,7 +120,7 @@ TOTALS: tuple[int, ...] = (
     Cell.BATCH_ROWS,
     Cell.RECYCLED,
     *range(DURATION, KEY_REQUESTS),  # the histograms' cells and their sums
-    *range(KEY_REQUESTS, CELLS),
+    *range(KEY_REQUESTS, LANE_REQUESTS),
 )
 BILLED = TOTALS[:6]
 _TOTAL_CELLS = [int(c) for c in TOTALS]
@@ -221,6 +226,13 @@ class Meter:
     def keyed(self, slot: int, cell: int) -> None:
         """A request of a private space was answered with the key in `cell`."""
         self.words[self._row + slot * CELLS + KEY_REQUESTS + cell] += 1
+
+    def lane(self, slot: int, error: bool) -> None:
+        """A request that a rollout sent to its new version was answered."""
+        base = self._row + slot * CELLS
+        self.words[base + LANE_REQUESTS] += 1
+        if error:
+            self.words[base + LANE_ERRORS] += 1
 
     def loaded(self, slot: int, started: int, memory_bytes: int, gpu_bytes: int = 0) -> None:
         """A version finished loading; residency runs from `started`, the load's start."""
@@ -400,7 +412,7 @@ def snapshot(table: Table, ledger: Ledger, now: int) -> Snapshot:
 def key_counts(table: Table, ledger: Ledger, slot: int) -> list[int]:
     """A slot's KEY_CELLS counts over every row, as the usage answer reads them (with
     the ledger's offset of a handed-over slot)."""
-    cells = table.cell_array()[:, slot, KEY_REQUESTS:CELLS].sum(axis=0)
+    cells = table.cell_array()[:, slot, KEY_REQUESTS:LANE_REQUESTS].sum(axis=0)
     offset = ledger.offsets.get(slot)
     if offset is not None:
         widened = _widen(offset)
