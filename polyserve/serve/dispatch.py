@@ -71,9 +71,9 @@ class Dispatch:
             if not metered:
                 metered = True
                 failed = status >= 500 if error is None else error
-                self.meter.end(slot if billed else None, started, error=failed)
+                took = self.meter.end(slot if billed else None, started, error=failed)
                 if lane and billed and slot is not None:
-                    self.meter.lane(slot, failed)
+                    self.meter.lane(slot, failed, took)
                 if key != PUBLIC and billed and slot is not None:
                     self.meter.keyed(slot, key)
 

@@ -44,10 +44,11 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 MAGIC = 0x70_6F_6C_79_73_72_76  # "polysrv"
-# 9: the rollout words and the lane cells (polyserve.state.rollouts); 8: the batch
+# 10: the lane's duration histogram (polyserve.usage.meter); 9: the rollout words and
+# the lane cells (polyserve.state.rollouts); 8: the batch
 # and first-byte histograms (polyserve.usage.meter); 7: the access words
 # and the keys' cells (polyserve.serve.gate).
-LAYOUT_VERSION = 9
+LAYOUT_VERSION = 10
 HEADER_WORDS = 8
 H_STARTED, H_ALIVE, H_FOLLOWED = 5, 6, 7
 WORKER_WORDS = 2  # pid, in flight

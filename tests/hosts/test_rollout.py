@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx2 as httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import HostProcess, module_host, until
 
@@ -56,6 +57,16 @@ def action(host: HostProcess, space: str, what: str) -> dict:
     return answer.json()
 
 
+def histogram_count(host: HostProcess, name: str, space: str) -> float:
+    """A space's `_count` of histogram `name` on /metrics."""
+    for family in text_string_to_metric_families(host.get("/metrics").text):
+        if family.name == name:
+            for sample in family.samples:
+                if sample.name == f"{name}_count" and sample.labels["space"] == space:
+                    return sample.value
+    raise AssertionError(f"no {name} for {space} on /metrics")
+
+
 def current(host: HostProcess, space: str) -> int:
     return int(host.get(f"/_polyserve/spaces/{space}/versions").json()["current"])
 
@@ -94,16 +105,24 @@ def test_a_rollout_at_25_percent_sends_a_quarter_and_a_sticky_key_one_version(ho
         assert abs(seen["two"] - n * 0.25) <= 4 * sigma, seen
         # A client sending the sticky header always gets one version.
         for user in ("alice", "bob", "carol", "dave"):
-            got = {
+            got = [
                 client.get("/s/ro/split/", headers={"x-user": user}).json()["v"] for _ in range(30)
-            }
-            assert len(got) == 1, (user, got)
+            ]
+            assert len(set(got)) == 1, (user, got)
+            seen[got[0]] += 30
     found = state(host, "ro/split")
     assert found["status"] == "running" and found["step"] == 0
     # The meter's lane counts each version's requests exactly (the sticky ones too).
     counts = found["versions"]
     assert counts["1"]["requests"] + counts["2"]["requests"] == n + 4 * 30
-    assert counts["2"]["requests"] >= seen["two"]
+    assert counts["2"]["requests"] == seen["two"]
+    # /metrics: the space's duration histogram counts every request, the rollout's
+    # counts those its new version answered, exactly.
+    assert histogram_count(host, "polyserve_space_request_duration_seconds", "ro/split") == n + 120
+    assert (
+        histogram_count(host, "polyserve_space_rollout_request_duration_seconds", "ro/split")
+        == seen["two"]
+    )
     # Aborted: every plain request is the current version's again.
     assert action(host, "ro/split", "abort")["status"] == "aborted"
     assert {host.get("/s/ro/split/").json()["v"] for _ in range(20)} == {"one"}
