@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 from collections.abc import Iterator
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -21,6 +22,23 @@ class ClientError(Exception):
 
     def body(self) -> dict[str, object]:
         return {"error": self.error, **self.details}
+
+
+def json_fields(body: bytes, fields: set[str], expected: str) -> dict[str, object] | None:
+    """A small JSON body of the control plane: None when it is empty, else a JSON object
+    with no field but `fields`; a ClientError 422 that ends with `expected` otherwise."""
+    if not body.strip():
+        return None
+    try:
+        asked = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ClientError(422, f"the body is not JSON: {expected}") from None
+    if not isinstance(asked, dict):
+        raise ClientError(422, f"the body must be a JSON object: {expected}")
+    unknown = sorted(set(asked) - fields)
+    if unknown:
+        raise ClientError(422, f"unknown field {unknown[0]!r}: {expected}", unknown=unknown)
+    return asked
 
 
 def disk_full() -> ClientError:

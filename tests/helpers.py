@@ -21,6 +21,7 @@ from typing import Any, ClassVar, TypeVar
 
 import httpx2 as httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from polyserve.deploy.forkserver import SPARES, ForkServer
 from polyserve.deploy.forkserver import listening as forkserver_listening
@@ -59,6 +60,21 @@ def make_tar(files: dict[str, str | bytes], gzip: bool = False) -> bytes:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+def metrics_histogram(host: HostProcess, name: str, space: str) -> dict[str, float]:
+    """A space's histogram from the host's /metrics: its cumulative buckets by `le`, and
+    its `count` and `sum`."""
+    (family,) = [
+        f for f in text_string_to_metric_families(host.get("/metrics").text) if f.name == name
+    ]
+    assert family.type == "histogram"
+    found: dict[str, float] = {}
+    for sample in family.samples:
+        if sample.labels["space"] == space:
+            key = sample.labels.get("le") or sample.name.rsplit("_", 1)[1]
+            found[key] = sample.value
+    return found
 
 
 def free_port() -> int:

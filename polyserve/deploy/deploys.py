@@ -21,7 +21,7 @@ import anyio.to_thread
 from polyserve.deploy import deps, requirements
 from polyserve.deploy.keys import Keys
 from polyserve.deploy.validate import validate
-from polyserve.errors import ClientError
+from polyserve.errors import ClientError, json_fields
 from polyserve.names import parse_space
 from polyserve.settings import Settings, scrubbed_environ
 from polyserve.state.apply import Changes
@@ -287,18 +287,8 @@ def rollback_request(body: bytes) -> int | None:
     """The version a rollback's body asks for: nothing (or `{}`) for the default, else
     `{"version": N}`. Raises ClientError 422 saying what to send instead."""
     expected = 'send no body (the version the current one replaced) or {"version": N}'
-    if not body.strip():
-        return None
-    try:
-        asked = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise ClientError(422, f"the body is not JSON: {expected}") from None
-    if not isinstance(asked, dict):
-        raise ClientError(422, f"the body must be a JSON object: {expected}")
-    unknown = sorted(set(asked) - {"version"})
-    if unknown:
-        raise ClientError(422, f"unknown field {unknown[0]!r}: {expected}", unknown=unknown)
-    version = asked.get("version")
+    asked = json_fields(body, {"version"}, expected)
+    version = None if asked is None else asked.get("version")
     if version is None:
         return None
     # bool is an int to Python, never a version to a person

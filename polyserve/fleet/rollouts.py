@@ -81,20 +81,7 @@ class RolloutRows(Connection):
                     f" {earlier['status']}: abort it first (POST …/rollout/abort)",
                     space=space,
                 )
-            now = time.time()
-            state = {
-                "space": space,
-                **asked,
-                "old": current,
-                "status": "running",
-                "step": 0,
-                "weight": asked["steps"][0],
-                "reason": None,
-                "started_at": now,
-                "step_started_at": now,
-                "ended_at": None,
-                "history": [],
-            }
+            state = rollouts.started(space, asked, current)
             return _commit(conn, space, state), state
 
     def rollout_act(self, space: str, action: str) -> tuple[Change, dict[str, Any]]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polyserve.errors import ClientError
+from polyserve.errors import ClientError, json_fields
 from polyserve.state.files import write_atomic
 
 MAX_KEYS = 8  # per space: each has one of the space's usage cells (meter.KEY_CELLS)
@@ -117,18 +117,8 @@ def listed(root: Path) -> dict[str, Access]:
 def parse_rate(body: bytes) -> float | None:
     """A mint's body: nothing, or {"rate": requests per second}. ClientError 422 else."""
     expected = 'send no body (no limit) or {"rate": N}, N requests per second'
-    if not body.strip():
-        return None
-    try:
-        asked = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise ClientError(422, f"the body is not JSON: {expected}") from None
-    if not isinstance(asked, dict):
-        raise ClientError(422, f"the body must be a JSON object: {expected}")
-    unknown = sorted(set(asked) - {"rate"})
-    if unknown:
-        raise ClientError(422, f"unknown field {unknown[0]!r}: {expected}", unknown=unknown)
-    rate = asked.get("rate")
+    asked = json_fields(body, {"rate"}, expected)
+    rate = None if asked is None else asked.get("rate")
     if rate is None:
         return None
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate <= MAX_RATE:
@@ -143,15 +133,9 @@ def parse_rate(body: bytes) -> float | None:
 def parse_private(body: bytes) -> bool:
     """An access body: {"private": true|false}. ClientError 422 else."""
     expected = 'send {"private": true} or {"private": false}'
-    try:
-        asked = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise ClientError(422, f"the body is not JSON: {expected}") from None
-    if not isinstance(asked, dict) or not isinstance(asked.get("private"), bool):
+    asked = json_fields(body, {"private"}, expected)
+    if asked is None or not isinstance(asked.get("private"), bool):
         raise ClientError(422, f"`private` must be true or false: {expected}")
-    unknown = sorted(set(asked) - {"private"})
-    if unknown:
-        raise ClientError(422, f"unknown field {unknown[0]!r}: {expected}", unknown=unknown)
     return bool(asked["private"])
 
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from polyserve.errors import ClientError
+from polyserve.errors import ClientError, json_fields
 from polyserve.state.apply import Changes
 from polyserve.state.files import write_atomic
 from polyserve.state.shm import H_STARTED, Table
@@ -101,15 +101,9 @@ def counts(table: Table, slot: int) -> list[int]:
 
 def parse(body: bytes) -> dict[str, Any]:
     """A rollout's request body, checked; raises ClientError 422 saying what to send."""
-    try:
-        asked = json.loads(body or b"null")
-    except (ValueError, UnicodeDecodeError):
-        raise ClientError(422, f"the body is not JSON: send {EXPECTED}") from None
-    if not isinstance(asked, dict):
-        raise ClientError(422, f"the body must be a JSON object: send {EXPECTED}")
-    unknown = sorted(set(asked) - {"version", "steps", "step_s", "max_error_rate", "sticky_header"})
-    if unknown:
-        raise ClientError(422, f"unknown field {unknown[0]!r}: send {EXPECTED}", unknown=unknown)
+    fields = {"version", "steps", "step_s", "max_error_rate", "sticky_header"}
+    found = json_fields(body, fields, f"send {EXPECTED}")
+    asked: dict[str, Any] = {} if found is None else dict(found)
     version = asked.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise ClientError(
@@ -176,25 +170,29 @@ def start(store: Store, table: Table, space: str, asked: dict[str, Any]) -> dict
             raise ClientError(409, f"version {new} of {space} is current already", space=space)
         store.pin(space, new)  # 404 when it is not kept, with the kept ones
         store.pin(space, current.number)
-        now = time.time()
-        state = {
-            "space": space,
-            **asked,
-            "old": current.number,
-            "status": "running",
-            "step": 0,
-            "weight": asked["steps"][0],
-            "reason": None,
-            "started_at": now,
-            "step_started_at": now,
-            "ended_at": None,
-            "boot": table.header(H_STARTED),
-            "base": counts(table, slot),
-            "history": [],
-        }
+        state = started(space, asked, current.number)
+        state |= {"boot": table.header(H_STARTED), "base": counts(table, slot)}
         write(store.root, state)
         table.rollouts[slot] = word_of(state)
     return view(store, table, state)
+
+
+def started(space: str, asked: dict[str, Any], old: int) -> dict[str, Any]:
+    """The state of a rollout that starts now: `asked` is its checked body (parse())."""
+    now = time.time()
+    return {
+        "space": space,
+        **asked,
+        "old": old,
+        "status": "running",
+        "step": 0,
+        "weight": asked["steps"][0],
+        "reason": None,
+        "started_at": now,
+        "step_started_at": now,
+        "ended_at": None,
+        "history": [],
+    }
 
 
 def act(store: Store, table: Table, space: str, action: str) -> dict[str, Any]:

@@ -14,9 +14,8 @@ from typing import Any
 import httpx2 as httpx
 import numpy as np
 import onnxruntime as ort
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import HostProcess, make_tar, module_host, until
+from tests.helpers import HostProcess, make_tar, metrics_histogram, module_host, until
 from tests.onnx_models import chain, matmul
 
 host = module_host("host", workers=1)
@@ -56,21 +55,6 @@ def usage(host: HostProcess, space: str) -> dict:
     return host.get("/_polyserve/usage").json()["spaces"][space]
 
 
-def histogram(host: HostProcess, name: str, space: str) -> dict[str, float]:
-    """A space's histogram from /metrics: its cumulative buckets by `le`, and its
-    `count` and `sum`."""
-    (family,) = [
-        f for f in text_string_to_metric_families(host.get("/metrics").text) if f.name == name
-    ]
-    assert family.type == "histogram"
-    found: dict[str, float] = {}
-    for sample in family.samples:
-        if sample.labels["space"] == space:
-            key = sample.labels.get("le") or sample.name.rsplit("_", 1)[1]
-            found[key] = sample.value
-    return found
-
-
 def output(answer: httpx.Response) -> np.ndarray:
     assert answer.status_code == 200, answer.text
     (y,) = answer.json()["outputs"]
@@ -103,11 +87,11 @@ def test_concurrent_infers_each_get_exactly_their_own_rows(host):
     assert f'polyserve_space_batches_total{{space="b/mm"}} {seen["batches"]}.0' in metrics
     # Rows per batch: one count per batch run, its sum the rows computed; the 64 alone
     # were batches of one to three rows (buckets 1, 2 and 4).
-    sizes = histogram(host, "polyserve_space_batch_rows", "b/mm")
+    sizes = metrics_histogram(host, "polyserve_space_batch_rows", "b/mm")
     assert (sizes["count"], sizes["sum"]) == (seen["batches"], 2 * rows)
     assert sizes["+Inf"] == seen["batches"] and sizes["4"] >= 64
     # Time queued: one count per call, each infer one call.
-    queued = histogram(host, "polyserve_space_batch_queue_seconds", "b/mm")
+    queued = metrics_histogram(host, "polyserve_space_batch_queue_seconds", "b/mm")
     assert queued["count"] == queued["+Inf"] == 128 and queued["sum"] > 0
     local = ort.InferenceSession(MODEL, providers=["CPUExecutionProvider"])
     for x, one, many in zip(xs, alone, together, strict=True):
@@ -257,10 +241,10 @@ def test_a_batched_handle_gets_its_own_rows_of_one_call_for_many(host):
     # The histograms count what ran, across the requests that flushed them: every
     # batch by its rows, every call by its time queued.
     seen = usage(host, "b/py")
-    sizes_seen = histogram(host, "polyserve_space_batch_rows", "b/py")
+    sizes_seen = metrics_histogram(host, "polyserve_space_batch_rows", "b/py")
     assert sizes_seen["count"] == seen["batches"] and sizes_seen["sum"] == 48 + 2
     assert sizes_seen["1"] < seen["batches"]  # batches of more than one row
-    queued = histogram(host, "polyserve_space_batch_queue_seconds", "b/py")
+    queued = metrics_histogram(host, "polyserve_space_batch_queue_seconds", "b/py")
     assert queued["count"] == seen["requests"] == 49
 
 

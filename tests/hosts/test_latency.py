@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import httpx2 as httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import HostProcess, module_host
+from tests.helpers import metrics_histogram, module_host
 
 host = module_host("host", workers=2)
 
@@ -35,20 +34,6 @@ app = Starlette(routes=[Route("/stream", stream), Route("/plain", plain)])
 """
 
 
-def histogram(host: HostProcess, name: str, space: str) -> dict[str, float]:
-    """A space's histogram from /metrics: cumulative buckets by `le`, `count` and `sum`."""
-    (family,) = [
-        f for f in text_string_to_metric_families(host.get("/metrics").text) if f.name == name
-    ]
-    assert family.type == "histogram"
-    found: dict[str, float] = {}
-    for sample in family.samples:
-        if sample.labels["space"] == space:
-            key = sample.labels.get("le") or sample.name.rsplit("_", 1)[1]
-            found[key] = sample.value
-    return found
-
-
 def test_time_to_first_byte_counts_the_streams_answered_and_only_them(host):
     assert host.deploy("l/streams", STREAMS).status_code == 200
     for _ in range(5):
@@ -57,11 +42,11 @@ def test_time_to_first_byte_counts_the_streams_answered_and_only_them(host):
             assert r.read() == b"chunk 0\nchunk 1\nchunk 2\n"
     for _ in range(7):
         assert host.get("/s/l/streams/plain").text == "whole"
-    first = histogram(host, "polyserve_space_first_byte_seconds", "l/streams")
+    first = metrics_histogram(host, "polyserve_space_first_byte_seconds", "l/streams")
     assert first["count"] == first["+Inf"] == 5, first
     # Each stream's first chunk came after one 10 ms sleep, before its whole answer.
     assert first["0.005"] == 0 and first["sum"] > 0
-    durations = histogram(host, "polyserve_space_request_duration_seconds", "l/streams")
+    durations = metrics_histogram(host, "polyserve_space_request_duration_seconds", "l/streams")
     assert durations["count"] == 12
     assert first["sum"] < durations["sum"]
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import httpx2 as httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import HostProcess, module_host, until
+from tests.helpers import HostProcess, metrics_histogram, module_host, until
 
 host = module_host("host")
 
@@ -55,16 +54,6 @@ def action(host: HostProcess, space: str, what: str) -> dict:
     answer = httpx.post(f"{host.url}/_polyserve/spaces/{space}/rollout/{what}", timeout=30)
     assert answer.status_code == 200, answer.text
     return answer.json()
-
-
-def histogram_count(host: HostProcess, name: str, space: str) -> float:
-    """A space's `_count` of histogram `name` on /metrics."""
-    for family in text_string_to_metric_families(host.get("/metrics").text):
-        if family.name == name:
-            for sample in family.samples:
-                if sample.name == f"{name}_count" and sample.labels["space"] == space:
-                    return sample.value
-    raise AssertionError(f"no {name} for {space} on /metrics")
 
 
 def current(host: HostProcess, space: str) -> int:
@@ -118,11 +107,9 @@ def test_a_rollout_at_25_percent_sends_a_quarter_and_a_sticky_key_one_version(ho
     assert counts["2"]["requests"] == seen["two"]
     # /metrics: the space's duration histogram counts every request, the rollout's
     # counts those its new version answered, exactly.
-    assert histogram_count(host, "polyserve_space_request_duration_seconds", "ro/split") == n + 120
-    assert (
-        histogram_count(host, "polyserve_space_rollout_request_duration_seconds", "ro/split")
-        == seen["two"]
-    )
+    every = metrics_histogram(host, "polyserve_space_request_duration_seconds", "ro/split")
+    lane = metrics_histogram(host, "polyserve_space_rollout_request_duration_seconds", "ro/split")
+    assert (every["count"], lane["count"]) == (n + 120, seen["two"])
     # Aborted: every plain request is the current version's again.
     assert action(host, "ro/split", "abort")["status"] == "aborted"
     assert {host.get("/s/ro/split/").json()["v"] for _ in range(20)} == {"one"}
