@@ -208,13 +208,41 @@ def wait_applied(db: FleetDB, hosts: int, change_id: int, timeout_s: float = 600
     raise TimeoutError(f"{hosts} hosts never applied change {change_id}")
 
 
+def cpu_s(pids: list[int]) -> float:
+    """The CPU seconds (user and system) these processes have used so far."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_pids(server: PostgresServer) -> list[int]:
+    """The server's processes: the postmaster and its children (backends, workers)."""
+    master = int((server.data / "postmaster.pid").read_text().split()[0])
+    found = [master]
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == master:
+                found.append(int(stat.parent.name))
+    return found
+
+
 def level(
-    db: FleetDB, client: FleetClient, alone: harness.Server, real: harness.Server, n: int, k: int
+    db: FleetDB,
+    client: FleetClient,
+    hosts: tuple[harness.Server, harness.Server],
+    cpu: tuple[list[int], list[int]],
+    n: int,
+    k: int,
 ) -> dict:
     """`k` rounds at this fleet size: a deploy to the single host, one to the fleet's real
     host (its 200 waits for every live host), and a commit timed to every host's
     acknowledgement by FleetClient.applied, the very wait that 200 is."""
+    alone, real = hosts
     single, fleet, commit, ack = [], [], [], []
+    followers_cpu, postgres_cpu = cpu_s(cpu[0]), cpu_s(cpu[1])
     for i in range(k):
         t0 = time.perf_counter()
         harness.deploy(alone.url, "bench/one", "v.py", source(i))
@@ -230,6 +258,9 @@ def level(
         assert status == 200 and hosts["applied"] == n + 1, hosts
         commit.append((t1 - t0) * 1000)
         ack.append((time.perf_counter() - t0) * 1000)
+    changes = 2 * k  # the fleet's deploy and the timed commit, each round
+    followers_cpu = (cpu_s(cpu[0]) - followers_cpu) * 1000 / changes / max(n, 1)
+    postgres_cpu = (cpu_s(cpu[1]) - postgres_cpu) * 1000 / changes
     ratio = percentile(fleet, 50) / percentile(single, 50)
     return {
         "followers": n,
@@ -240,6 +271,10 @@ def level(
         "acknowledged_by_all": figures(ack),
         "ack_p50_ratio_to_single": round(percentile(ack, 50) / percentile(single, 50), 2),
         "connections": database(db.url, tables=False)["connections"],
+        # Per change: one follower's CPU, and the database server's for all hosts. On a
+        # machine whose cores the followers share, n of the first come one after another.
+        "follower_cpu_ms_per_change": round(followers_cpu, 2),
+        "postgres_cpu_ms_per_change": round(postgres_cpu, 2),
     }
 
 
@@ -253,18 +288,21 @@ def join(db: FleetDB, sims: list[SimHost], live: int) -> float:
     return round(time.perf_counter() - t0, 2)
 
 
-def catch_up(db: FleetDB, url: str, sim: SimHost, spaces: int, versions: int, live: int) -> dict:
-    """One follower stopped, `versions` deploys made meanwhile, then started again."""
-    sim.stop()
+def catch_up(db: FleetDB, url: str, sims: list[SimHost], spaces: int, versions: int) -> dict:
+    """Every follower stopped (each leaves the fleet), `versions` deploys made meanwhile,
+    then one started again and timed until it has applied them all: it takes the
+    fleet's pointers (it is more than catchup.EAGER_LIMIT behind), one per space."""
+    for sim in sims:
+        sim.stop()
     last = behind(db, url, spaces, versions)
-    # The others take them first (they poll): the one timed then catches up alone.
-    wait_applied(db, live - 1, last)
+    wait_applied(db, 1, last)  # the real host first: the follower timed then runs alone
     t0 = time.perf_counter()
-    sim.start()
-    wait_applied(db, live, last)
+    sims[0].start()
+    wait_applied(db, 2, last)
     took = time.perf_counter() - t0
     return {
         "versions_behind": versions,
+        "spaces": spaces,
         "seconds_to_applied": round(took, 2),
         "versions_per_s": round(versions / took, 1),
     }
@@ -361,7 +399,9 @@ def run(args: argparse.Namespace, server: PostgresServer, tmp: Path) -> dict:
                     took = join(db, sims[started:n], n + 1)
                     joins.append({"followers": n - started, "seconds": took})
                     started = n
-                levels_out.append(level(db, client, alone, real, n, args.deploys))
+                pids = [sim.proc.pid for sim in sims[:n] if sim.proc is not None]
+                cpu = (pids, postgres_pids(server))
+                levels_out.append(level(db, client, (alone, real), cpu, n, args.deploys))
             result["joins"] = joins
             result["levels"] = levels_out
             result["database"] = database(url)
@@ -377,9 +417,7 @@ def run(args: argparse.Namespace, server: PostgresServer, tmp: Path) -> dict:
                         2,
                     ),
                 }
-                result["catch_up"] = catch_up(
-                    db, url, sims[0], args.spaces, args.behind, args.followers + 1
-                )
+                result["catch_up"] = catch_up(db, url, sims, args.spaces, args.behind)
             result["database_after_catch_up"] = database(url)["tables"]["polyserve_changes"]
             result["ledger_per_boot"] = ledger_row_bytes(db, url, min(args.spaces, 10_000))
         finally:
