@@ -425,8 +425,11 @@ def run(args: argparse.Namespace, server: PostgresServer, tmp: Path) -> dict:
                 sim.close()
             db.close()
     last = result["levels"][-1]
-    result["goal"] = "with 50 followers a deploy acknowledged by all <= 3x a single host's deploy"
-    result["met"] = last["ack_p50_ratio_to_single"] <= 3 and last["p50_ratio"] <= 3
+    result["goal"] = (
+        f"a deploy acknowledged by all {args.followers} followers (its 200) p50 <= 3x a"
+        " single host's deploy (issue 30: at 50)"
+    )
+    result["met"] = last["p50_ratio"] <= 3
     return result
 
 
