@@ -26,6 +26,7 @@ from polyserve.serve.deadlines import Deadlines
 from polyserve.serve.dispatch import Dispatch
 from polyserve.serve.gate import Gate
 from polyserve.serve.registry import Registry
+from polyserve.serve.split import Split
 from polyserve.state import handoff
 from polyserve.state.broadcast import SIGNAL, Broadcast
 from polyserve.state.shm import Table
@@ -115,7 +116,13 @@ async def running_host(
         broadcast=broadcast,
         registry=registry,
         dispatch=Dispatch(
-            registry, meter, deadlines, pools, s.max_infer_mb << 20, Gate(store, table, clock)
+            registry,
+            meter,
+            deadlines,
+            pools,
+            s.max_infer_mb << 20,
+            Gate(store, table, clock),
+            Split(store, table),
         ),
         deploys=Deploys(
             s,

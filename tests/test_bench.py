@@ -24,6 +24,11 @@ def test_meter_bench_runs_one_short_round():
     assert result["metered_ns_p50"] > 0 and result["baseline_ns_p50"] > 0
 
 
+def test_split_bench_runs_one_short_round():
+    result = run_bench("split_bench.py", "--rounds", "1", "--n", "1000")
+    assert set(result) == {"none", "drawn", "sticky"}
+
+
 def test_logs_bench_runs_one_short_round():
     result = run_bench("logs_bench.py", "--rounds", "1", "--n", "10000")
     assert result["scenario"] == "logs" and result["rounds"] == 1

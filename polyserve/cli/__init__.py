@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import click
 
-from polyserve.cli import dev, keys, reads, scale, writes
+from polyserve.cli import dev, keys, reads, rollout, scale, writes
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -29,6 +29,7 @@ def main() -> None:
 for command in (
     writes.deploy,
     writes.rollback,
+    rollout.rollout,
     writes.release,
     writes.delete,
     writes.secret,

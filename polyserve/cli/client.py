@@ -175,8 +175,11 @@ class Client:
         body = b"" if payload is None else json.dumps(payload).encode()
         return self.call("POST", path, body=body, content_type="application/json")
 
-    def deploy(self, space: str, filename: str, data: bytes) -> tuple[int, Any]:
-        body, content_type = _multipart({"space": space}, "module", filename, data)
+    def deploy(
+        self, space: str, filename: str, data: bytes, current: bool = True
+    ) -> tuple[int, Any]:
+        fields = {"space": space} if current else {"space": space, "current": "false"}
+        body, content_type = _multipart(fields, "module", filename, data)
         return self.call("POST", "/_polyserve/deploy", body=body, content_type=content_type)
 
 

@@ -27,10 +27,22 @@ from polyserve.cli.render import human_bytes, human_ms, human_time, plural
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
 @click.option("--space", type=SPACE, required=True, help="The space to deploy to: owner/name.")
 @click.option("--dry-run", is_flag=True, help="List what a directory would ship; send nothing.")
+@click.option(
+    "--no-current",
+    is_flag=True,
+    help="Store and validate it, but leave the current version serving (for a rollout).",
+)
 @json_option
 @host_options
 def deploy(
-    path: Path, space: str, dry_run: bool, as_json: bool, url: str, token: str, timeout: float
+    path: Path,
+    space: str,
+    dry_run: bool,
+    no_current: bool,
+    as_json: bool,
+    url: str,
+    token: str,
+    timeout: float,
 ) -> None:
     """Deploy PATH as the next version of a space.
 
@@ -58,7 +70,8 @@ def deploy(
             raise click.UsageError("--dry-run lists what a directory would ship: PATH is a file")
         filename, data = path.name, path.read_bytes()
     try:
-        status, body = host_client(url, token, timeout).deploy(space, filename, data)
+        client = host_client(url, token, timeout)
+        status, body = client.deploy(space, filename, data, current=not no_current)
     except (HostRefused, BadAnswer) as exc:
         if exc.status != 413:
             raise
@@ -70,6 +83,7 @@ def deploy(
             f"deployed {body['space']} v{body['version']}: sha256 {body['sha256'][:12]},"
             f" import {human_ms(body.get('import_ms'))}, {body.get('kind')} in"
             f" {body.get('entry')}, {human_bytes(body.get('size'))}{_hosts(body)}"
+            + (" (not current: start a rollout)" if body.get("current") is False else "")
         )
     _lagging(status, body)
 

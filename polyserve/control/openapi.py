@@ -12,6 +12,7 @@ from polyserve import __version__
 from polyserve.control.schemas import SCHEMAS
 from polyserve.names import PART
 from polyserve.state.access import MAX_RATE
+from polyserve.state.rollouts import MAX_STEP_S
 from polyserve.state.secrets import NAME as SECRET_NAME
 from polyserve.usage.answer import Only
 
@@ -92,6 +93,12 @@ SPEC: dict[str, Any] = {
                                         "description": "owner/name",
                                     },
                                     "module": {"type": "string", "format": "binary"},
+                                    "current": {
+                                        "type": "string",
+                                        "enum": ["true", "false"],
+                                        "description": "false: store and validate it, leave"
+                                        " the current version serving (for a rollout)",
+                                    },
                                 },
                             }
                         }
@@ -181,6 +188,87 @@ SPEC: dict[str, Any] = {
                     "404": _error("the space is not deployed, or that version is not kept"),
                     "413": _error("the body is larger than a rollback's body can be"),
                     "422": _error("the space name or the body is not valid, and why"),
+                },
+            }
+        },
+        "/_polyserve/spaces/{owner}/{name}/rollout": {
+            "get": {
+                "summary": "The space's rollout: status, step, weights, each version's counts",
+                "parameters": _SPACE_PARAMS,
+                "responses": {
+                    "200": _json("its rollout", {"$ref": "#/components/schemas/Rollout"}),
+                    "404": _error("the space has no rollout"),
+                },
+            },
+            "post": {
+                "summary": "Start a rollout: plain requests move to a kept version by steps,"
+                " rolled back by itself past the error-rate threshold (docs/rollouts.md)",
+                "security": [{}, {"bearer": []}],
+                "parameters": _SPACE_PARAMS,
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": ["version"],
+                                "properties": {
+                                    "version": {"type": "integer", "minimum": 1},
+                                    "steps": {
+                                        "type": "array",
+                                        "minItems": 1,
+                                        "maxItems": 100,
+                                        "items": {"type": "integer", "minimum": 1, "maximum": 100},
+                                        "description": "rising, ending with 100",
+                                    },
+                                    "step_s": {
+                                        "type": "number",
+                                        "exclusiveMinimum": True,
+                                        "minimum": 0,
+                                        "maximum": MAX_STEP_S,
+                                    },
+                                    "max_error_rate": {
+                                        "type": "number",
+                                        "minimum": 0,
+                                        "maximum": 1,
+                                    },
+                                    "sticky_header": {
+                                        "type": "string",
+                                        "pattern": "^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$",
+                                    },
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json("started", {"$ref": "#/components/schemas/Rollout"}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space is not deployed, or that version is not kept"),
+                    "409": _error("a rollout runs already, or that version is current"),
+                    "422": _error("the body is not valid, and why"),
+                },
+            },
+        },
+        "/_polyserve/spaces/{owner}/{name}/rollout/{action}": {
+            "post": {
+                "summary": "Pause, resume or abort the space's rollout",
+                "security": [{}, {"bearer": []}],
+                "parameters": [
+                    *_SPACE_PARAMS,
+                    {
+                        "name": "action",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string", "enum": ["pause", "resume", "abort"]},
+                    },
+                ],
+                "responses": {
+                    "200": _json("its rollout now", {"$ref": "#/components/schemas/Rollout"}),
+                    **_WRITE_ERRORS,
+                    "404": _error("the space has no rollout, or no such action"),
+                    "409": _error("the rollout is over"),
                 },
             }
         },

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -29,7 +31,7 @@ from polyserve.control.auth import Auth
 from polyserve.deploy.deploys import rollback_request
 from polyserve.errors import ClientError
 from polyserve.host import Host
-from polyserve.state import access
+from polyserve.state import access, rollouts
 from polyserve.state import secrets as secret_files
 from polyserve.state.shm import H_FOLLOWED
 from polyserve.usage import prometheus
@@ -37,7 +39,10 @@ from polyserve.usage.answer import Only
 from polyserve.usage.meter import now_us
 
 if TYPE_CHECKING:
+    from polyserve.fleet.changes import Change
     from polyserve.fleet.client import FleetClient
+
+_T = TypeVar("_T")
 
 
 class ControlPlane:
@@ -69,6 +74,14 @@ class ControlPlane:
             Route("/_polyserve/spaces/{owner}/{name}/release", self.release, methods=["POST"]),
             Route("/_polyserve/spaces/{owner}/{name}/versions", self.versions, methods=["GET"]),
             Route("/_polyserve/spaces/{owner}/{name}/rollback", self.rollback, methods=["POST"]),
+            Route(
+                "/_polyserve/spaces/{owner}/{name}/rollout", self.rollout, methods=["GET", "POST"]
+            ),
+            Route(
+                "/_polyserve/spaces/{owner}/{name}/rollout/{action}",
+                self.rollout_action,
+                methods=["POST"],
+            ),
             Route("/_polyserve/spaces/{owner}/{name}/logs", self.logs, methods=["GET"]),
             Route("/_polyserve/spaces/{owner}/{name}/keys", self.keys, methods=["GET", "POST"]),
             Route(
@@ -104,8 +117,9 @@ class ControlPlane:
             raise _too_large(limit)
         request = Request(request.scope, _limited(request.receive, limit))
         try:
-            async with request.form(max_files=1, max_fields=2) as form:
+            async with request.form(max_files=1, max_fields=3) as form:
                 space, module = form.get("space"), form.get("module")
+                current = _current_field(form.get("current"))
                 if not isinstance(space, str) or not space:
                     raise ClientError(422, "missing form field `space` (owner/name)")
                 self.auth.allow(who, space)
@@ -116,7 +130,7 @@ class ControlPlane:
                         " or -F module=@space.tar",
                     )
                 status, body = await self.running.deploys.deploy(
-                    space, module.file, module.filename or ""
+                    space, module.file, module.filename or "", current=current
                 )
         except _TooLarge:
             raise _too_large(limit) from None
@@ -148,6 +162,54 @@ class ControlPlane:
             raise ClientError(413, 'a rollback\'s body is {"version": N}, or nothing') from None
         status, answer = await self.running.deploys.rollback(space, rollback_request(body))
         return JSONResponse(answer, status_code=status)
+
+    async def rollout(self, request: Request) -> Response:
+        """GET: the space's rollout (a read: open, like versions); POST: start one, the
+        body as rollouts.EXPECTED says (docs/rollouts.md)."""
+        host = self.running
+        if request.method == "GET":
+            space = f"{request.path_params['owner']}/{request.path_params['name']}"
+            read = partial(rollouts.view, host.store, host.table, space=space)
+            return JSONResponse(await self._thread(read))
+        space = self._space_to_write(request)
+        body = await _small_body(request, rollouts.EXPECTED)
+        # A space that is not deployed is a 404 whatever the body: its steps are judged
+        # only for a space that could take them.
+        if await self._thread(partial(host.store.current, space)) is None:
+            raise ClientError(404, f"space {space} is not deployed", space=space)
+        asked = rollouts.parse(body)
+        fleet = host.deploys.fleet
+        if fleet is not None:  # the fleet's state, applied by every host before the answer
+            change, _ = await fleet.run(fleet.db.rollout_start, space, asked)
+            return await self._fleet_rollout(space, change)
+        started = partial(rollouts.start, host.store, host.table, space, asked)
+        return JSONResponse(await self._thread(started))
+
+    async def rollout_action(self, request: Request) -> Response:
+        """POST …/rollout/pause, …/resume or …/abort."""
+        space = self._space_to_write(request)
+        action = request.path_params["action"]
+        if action not in ("pause", "resume", "abort"):
+            raise ClientError(404, f"no rollout action {action[:40]!r}: pause, resume or abort")
+        host = self.running
+        fleet = host.deploys.fleet
+        if fleet is not None:
+            change, _ = await fleet.run(fleet.db.rollout_act, space, action)
+            return await self._fleet_rollout(space, change)
+        return JSONResponse(
+            await self._thread(partial(rollouts.act, host.store, host.table, space, action))
+        )
+
+    async def _fleet_rollout(self, space: str, change: Change) -> Response:
+        """A committed rollout change: once every live host applied it, this host's view."""
+        host = self.running
+        assert host.deploys.fleet is not None
+        status, hosts = await host.deploys.fleet.applied(change)
+        body = await self._thread(partial(rollouts.view, host.store, host.table, space=space))
+        return JSONResponse({**body, "hosts": hosts}, status_code=status)
+
+    async def _thread(self, func: Callable[[], _T]) -> _T:
+        return await anyio.to_thread.run_sync(func, limiter=self.running.deploys.host_limiter)
 
     async def logs(self, request: Request) -> Response:
         """A space's recent records from every worker, oldest first; `since` is the
@@ -235,9 +297,15 @@ class ControlPlane:
 
     async def list_spaces(self, request: Request) -> Response:
         host = self.running
-        spaces = await anyio.to_thread.run_sync(
-            host.store.spaces, limiter=host.deploys.host_limiter
-        )
+
+        def read() -> dict[str, dict[str, object]]:
+            found = host.store.spaces()
+            for space, running in rollouts.live(host.store.root).items():
+                if space in found:  # a running rollout, for the dashboard's row
+                    found[space]["rollout"] = running
+            return found
+
+        spaces = await anyio.to_thread.run_sync(read, limiter=host.deploys.host_limiter)
         return JSONResponse({"spaces": spaces})
 
     async def usage(self, request: Request) -> Response:
@@ -301,6 +369,16 @@ def _behind(s: settings_mod.Settings, followed_us: int, now: int) -> str | None:
             " so it may serve older versions: see its log"
         )
     return None
+
+
+def _current_field(value: object) -> bool:
+    """A deploy's form field `current`: absent or `true` moves current, `false` keeps
+    the version beside it (a rollout's new version)."""
+    if value is None or value == "true":
+        return True
+    if value == "false":
+        return False
+    raise ClientError(422, "form field `current` must be `true` (the default) or `false`")
 
 
 def _only(text: str | None) -> Only | None:

@@ -64,10 +64,12 @@ class Deploys:
         self.keys = Keys(self.changes, host_limiter, fleet)  # who may call a space
 
     async def deploy(
-        self, space: str, upload: BinaryIO, filename: str
+        self, space: str, upload: BinaryIO, filename: str, current: bool = True
     ) -> tuple[int, dict[str, object]]:
         """Publish an upload (a .py file or a tar) as the space's next version; returns
-        the answer's status and body. A failure at any step publishes nothing."""
+        the answer's status and body. A failure at any step publishes nothing. With
+        current=False the version is stored and validated but `current` stays where it
+        is (a rollout's new version, docs/rollouts.md)."""
         s = self.settings
         staged = await self._run(self.store.stage, upload, filename, s.max_unpacked_mb << 20)
         try:
@@ -88,18 +90,22 @@ class Deploys:
             if installed is not None:
                 checked["dependencies"] = installed.answer()
             if self.fleet is None:
-                number = await self._run(self.changes.publish, space, staged, checked)
+                publish = partial(self.changes.publish, current=current)
+                number = await self._run(publish, space, staged, checked)
             else:  # validated here; every host (this one too) applies it from the fleet
                 meta = {**checked, "space": space, "sha256": staged.sha256, "size": staged.size}
                 meta |= {"entry": staged.entry, "pool": staged.pool, "upload": filename}
                 meta["deployed_at"] = time.time()
+                commit = partial(self.fleet.deploy, current=current)
                 change = await self.fleet.run(
-                    self.fleet.deploy, space, upload, staged.sha256, meta, staged.unpacked
+                    commit, space, upload, staged.sha256, meta, staged.unpacked
                 )
                 number = change.version or 0
         finally:
             self.store.discard(staged)  # after a publish the directory has moved: a no-op
         body = {**staged.fields(space, number), **checked}
+        if not current:
+            body["current"] = False
         if self.fleet is None:
             self.changes.announce()
             return 200, body
@@ -136,19 +142,12 @@ class Deploys:
 
     async def _dependencies(self, staged: Staged) -> deps.Installed | None:
         """The staged version's dependency set, installed (or found installed), or None
-        when it declares none. Refusals are ClientErrors; nothing is published yet."""
+        when it declares none. Refusals are ClientErrors; nothing is published yet. In a
+        fleet this host resolves it once: the metadata's `dependencies` carries the pins,
+        which every other host installs before it applies the version (fleet/catchup.py)."""
         requested = await self._run(requirements.read, staged.dir, self.settings)
         if requested is None:
             return None
-        if self.fleet is not None:
-            # Each host would have to install the set before it applies the version;
-            # until the follower does, refuse rather than publish what hosts cannot load.
-            raise ClientError(
-                422,
-                f"{requested.source} declares dependencies, which a fleet host cannot"
-                " install yet: deploy to a single host, or install them on every host",
-                source=requested.source,
-            )
         return await deps.install(requested, self.store.root, self.settings)
 
     async def undeploy(self, space: str) -> tuple[int, dict[str, object]]:

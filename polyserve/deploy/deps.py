@@ -31,7 +31,7 @@ from typing import Any
 
 from polyserve.deploy import depcheck, uvinstall
 from polyserve.deploy.requirements import Requested, python_tag
-from polyserve.errors import DISK_FULL, disk_full_is_507
+from polyserve.errors import DISK_FULL, ClientError, disk_full_is_507
 from polyserve.settings import Settings
 from polyserve.state.files import write_atomic
 
@@ -85,13 +85,66 @@ async def install(requested: Requested, data_dir: Path, settings: Settings) -> I
         )
     if not requested.lines:  # the host has everything: an empty set, nothing to run
         return Installed(_EMPTY, _empty_set(deps), [], requested.source, list(requested.from_host))
+    fresh, contents, install_ms = await _install(requested, deps, settings, exact=False)
+    with disk_full_is_507():
+        write_atomic(deps / "requests" / key, json.dumps(contents).encode())
+    return Installed(
+        contents["set"],
+        site_dir(data_dir, contents["set"]),
+        contents["packages"],
+        requested.source,
+        list(requested.from_host),
+        installed=contents["packages"] if fresh else [],
+        install_ms=install_ms,
+    )
+
+
+async def install_pins(declared: dict[str, Any], data_dir: Path, settings: Settings) -> Installed:
+    """A fleet version's set on this host: exactly the pins the receiving host resolved
+    (the version's metadata's `dependencies`), from this host's cache, index or
+    find-links, with no resolution of its own; nothing runs when this host has the set.
+    The set is named by this host's Python, as the receiving host named its own."""
+    packages = sorted(str(p) for p in declared.get("packages") or ())
+    source = str(declared.get("source") or "dependencies")
+    from_host = [str(p) for p in declared.get("from_host") or ()]
+    deps = data_dir / "deps"
+    if not packages:
+        return Installed(_EMPTY, _empty_set(deps), [], source, from_host)
+    digest = _set_digest(packages)
+    if (deps / "sets" / digest / "set.json").is_file():
+        return Installed(digest, site_dir(data_dir, digest), packages, source, from_host)
+    requested = Requested(source, tuple(packages), ())
+    fresh, contents, install_ms = await _install(requested, deps, settings, exact=True)
+    if sorted(contents["packages"]) != packages:  # never with --no-deps: say so if it were
+        raise ClientError(
+            422,
+            f"installing the pinned set gave {', '.join(contents['packages'])} instead of"
+            f" {', '.join(packages)}",
+            source=source,
+        )
+    return Installed(
+        contents["set"],
+        site_dir(data_dir, contents["set"]),
+        packages,
+        source,
+        from_host,
+        installed=packages if fresh else [],
+        install_ms=install_ms,
+    )
+
+
+async def _install(
+    requested: Requested, deps: Path, settings: Settings, exact: bool
+) -> tuple[bool, dict[str, Any], float]:
+    """One uv run into a fresh directory, checked and moved into sets/: (whether this
+    run's copy is the one in place, the set's contents, the install's milliseconds)."""
     started = time.perf_counter()
     with disk_full_is_507():
         for d in ("sets", "requests", "tmp", "uv-cache"):
             (deps / d).mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(dir=deps / "tmp"))
     try:
-        await uvinstall.run(requested, work, deps, settings)
+        await uvinstall.run(requested, work, deps, settings, exact=exact)
         contents = depcheck.contents(work / "site", requested)
         scratch_files = (uvinstall.requirements_file(work), uvinstall.excludes_file(work))
         for scratch in (*scratch_files, work / "site" / ".lock"):
@@ -101,18 +154,10 @@ async def install(requested: Requested, data_dir: Path, settings: Settings) -> I
         with disk_full_is_507():
             (work / "set.json").write_text(json.dumps(contents))
             fresh = _move_into_place(work, deps / "sets" / digest)
-            write_atomic(deps / "requests" / key, json.dumps(contents).encode())
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return Installed(
-        digest,
-        site_dir(data_dir, digest),
-        contents["packages"],
-        requested.source,
-        list(requested.from_host),
-        installed=contents["packages"] if fresh else [],
-        install_ms=round((time.perf_counter() - started) * 1000, 3) if fresh else 0.0,
-    )
+    install_ms = round((time.perf_counter() - started) * 1000, 3) if fresh else 0.0
+    return fresh, contents, install_ms
 
 
 _EMPTY = "empty"

@@ -32,9 +32,13 @@ _NETWORK = re.compile(
 )
 
 
-def uv_command(requested_file: Path, target: Path, excludes: Path, settings: Settings) -> list[str]:
+def uv_command(
+    requested_file: Path, target: Path, excludes: Path, settings: Settings, exact: bool = False
+) -> list[str]:
     """The one uv run that resolves and installs a set: every host distribution excluded
-    from the resolution, no configuration file read, the host's Python's tags."""
+    from the resolution, no configuration file read, the host's Python's tags. `exact`:
+    the list is a whole resolved set's pins (a fleet host installing what the receiving
+    host resolved), installed as they are, with no resolution of their dependencies."""
     import uv  # the uv package ships the binary; imported here, on the deploy path only
 
     command = [
@@ -55,6 +59,8 @@ def uv_command(requested_file: Path, target: Path, excludes: Path, settings: Set
         "--color",
         "never",
     ]
+    if exact:
+        command.append("--no-deps")
     if settings.deps_offline:
         command.append("--no-index")
     elif settings.deps_index_url:
@@ -75,14 +81,17 @@ def excludes_file(work: Path) -> Path:
     return work / "host.txt"
 
 
-async def run(requested: Requested, work: Path, deps: Path, settings: Settings) -> None:
+async def run(
+    requested: Requested, work: Path, deps: Path, settings: Settings, exact: bool = False
+) -> None:
     """Install `requested` into work/site with uv, or raise the ClientError that says why
-    not: over the time limit (422) or the size limit (413), or uv's own failure."""
+    not: over the time limit (422) or the size limit (413), or uv's own failure. `exact`:
+    see uv_command."""
     requirements, excludes = requirements_file(work), excludes_file(work)
     with disk_full_is_507():
         requirements.write_text("".join(f"{line}\n" for line in requested.lines))
         excludes.write_text("".join(f"{name}\n" for name in sorted(host_packages())))
-    command = uv_command(requirements, work / "site", excludes, settings)
+    command = uv_command(requirements, work / "site", excludes, settings, exact)
     proc = await asyncio.create_subprocess_exec(
         *command,
         stdin=asyncio.subprocess.DEVNULL,

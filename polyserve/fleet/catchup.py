@@ -1,7 +1,8 @@
 """The follower's catch-up: apply the fleet's changes to this host in order, or skip them.
 
 A change is applied by the state wing's one step (polyserve.state.apply), exactly as a
-local deploy is: files into place, `current` moved under the store lock, the generation
+local deploy is: its dependency set installed (the pins the receiving host resolved),
+files into place, `current` moved under the store lock, the generation
 word bumped, what no worker holds pruned, the workers signalled. The last change
 applied is kept in the data directory (APPLIED) for the heartbeat to acknowledge. A
 change this host cannot apply is skipped and reported, and the next one applied; a
@@ -10,15 +11,19 @@ fleet whose database went back in time is followed from its pointers again.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from functools import partial
 from pathlib import Path
-from typing import Any, assert_never
+from typing import Any, TypeVar, assert_never
 
 import psycopg
 
 from polyserve.errors import ClientError
+from polyserve.fleet import rollouts
 from polyserve.fleet.changes import Change
 from polyserve.fleet.connection import Unreachable
 from polyserve.fleet.db import FleetDB
@@ -29,8 +34,9 @@ from polyserve.settings import Settings
 from polyserve.state import access
 from polyserve.state.access import Access
 from polyserve.state.apply import Changes
-from polyserve.state.store import Staged, write_atomic
+from polyserve.state.store import Staged, Store, write_atomic
 
+_T = TypeVar("_T")
 log = logging.getLogger("polyserve")
 APPLIED = "fleet.applied"  # in the data directory: the last change applied here
 BATCH = 1000
@@ -38,17 +44,29 @@ BATCH = 1000
 # takes the fleet's pointers and fetches each version's files on first use instead of
 # replaying every change; closer, it applies each change with its files.
 EAGER_LIMIT = 20
-# Tries of a change that failed in a way that may pass (a full table or disk, a local
-# error) before this host skips it; one it can never apply (too large, a bad upload) is
-# skipped at once. Between tries the follower heartbeats and waits a poll interval.
+# Tries of a change that failed in a way that may pass (a full table or disk, a package
+# index that did not answer, a local error) before this host skips it; one it can never
+# apply (too large, a bad upload, dependencies it cannot install) is skipped at once.
+# Between tries the follower heartbeats and waits a poll interval.
 ATTEMPTS = 3
+AGAIN = (424, 507)  # the statuses of a ClientError that may pass
+UV_WORDS = 300  # characters of uv's output a skip's reason quotes
 
 
 class CatchUp:
     """What this host applied of the fleet's change log, and the applying itself."""
 
-    def __init__(self, settings: Settings, db: FleetDB, changes: Changes) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        db: FleetDB,
+        changes: Changes,
+        beat: Callable[[], object] = lambda: None,
+    ) -> None:
         self.settings = settings
+        # The follower's heartbeat, called every poll interval while a dependency set
+        # installs: the host stays live and healthy, serving what it has applied.
+        self.beat = beat
         self.db = db
         self.changes = changes
         self.store = changes.store
@@ -99,7 +117,7 @@ class CatchUp:
         except (Unreachable, psycopg.Error):
             raise  # the database's trouble, not the change's: retried until it is back
         except Exception as exc:
-            again = not isinstance(exc, ClientError) or exc.status == 507
+            again = not isinstance(exc, ClientError) or exc.status in AGAIN
             tries = self._failed[1] + 1 if self._failed[0] == change.id else 1
             self._failed = (change.id, tries)
             error = exc.error if isinstance(exc, ClientError) else f"{type(exc).__name__}: {exc}"
@@ -146,6 +164,8 @@ class CatchUp:
                 self.changes.access(change.space, _replaced(found))
         elif change.kind == "secrets":
             self._secrets(change.space)
+        elif change.kind == "rollout":
+            rollouts.apply(self, change.space, change.version)
         else:
             assert_never(change.kind)
 
@@ -171,6 +191,8 @@ class CatchUp:
         stored = self.db.fetch(space, number, self.settings.pool)
         if stored is None:
             return  # gone from the fleet store: a later change supersedes it
+        if stored.size is not None:  # this pool's: its set is installed before it is current
+            stored = dataclasses.replace(stored, meta=self._installed(number, stored.meta))
         # Its secrets first, so that the loads this deploy causes read them: this host
         # may have dropped them (a change it skipped deletes the space here).
         found = self._ours(space, str(stored.meta.get("pool", DEFAULT_POOL)))
@@ -194,6 +216,27 @@ class CatchUp:
                 if staged is not None:
                     self.store.discard(staged)
 
+    def keep(self, space: str, number: int) -> None:
+        """Keep a fleet version beside the current one (a deploy with current=false, a
+        rollout's new version): its files too when it runs in this host's pool."""
+        stored = self.db.fetch(space, number, self.settings.pool)
+        if stored is None:
+            return  # gone from the fleet store: a later change supersedes it
+        staged = None
+        if stored.size is not None:
+            stored = dataclasses.replace(stored, meta=self._installed(number, stored.meta))
+            staged = download(
+                self.db, self.store, space, stored, self.settings.max_unpacked_mb << 20
+            )
+        try:
+            with self.store.locked():
+                if staged is not None:
+                    self.store.place(space, number, staged)
+                self.store.keep(space, number, stored.meta)
+        finally:
+            if staged is not None:
+                self.store.discard(staged)
+
     def _place(self, space: str, stored: Stored, staged: Staged | None) -> int | None:
         """Under the store lock, make a fleet version current: with the files just staged,
         with those on disk, or (another pool's) with none; returns the slot, or None
@@ -212,6 +255,55 @@ class CatchUp:
         every space, or for those with files here (served here, or still held)."""
         return self.settings.fleet_files == "all" or self.store.holds_files(space)
 
+    def _installed(self, number: int, meta: dict[str, Any]) -> dict[str, Any]:
+        """A version's metadata once its dependency set is installed on this host (the
+        pins the receiving host resolved, from this host's cache, index or find-links),
+        naming this host's copy of the set: no version is current here before its set
+        is in place. Raises the ClientError that says why not; a version that declares
+        none is returned as it is."""
+        declared = meta.get("dependencies")
+        if not isinstance(declared, dict):
+            return meta
+        from polyserve.deploy import deps  # uv and packaging: a host that installs pays
+
+        try:
+            installed = asyncio.run(
+                self._beating(deps.install_pins(declared, self.store.root, self.settings))
+            )
+        except ClientError as exc:
+            uv = exc.details.get("uv")
+            words = " ".join(uv.split())[-UV_WORDS:] if isinstance(uv, str) else ""
+            raise ClientError(
+                exc.status,
+                f"installing the dependencies of v{number} on this host failed: {exc.error}"
+                + (f" (uv: …{words})" if words else ""),
+                **exc.details,
+            ) from None
+        if installed.installed:
+            log.info(
+                "installed the dependency set %s (%s) for v%d in %.0f ms",
+                installed.digest, ", ".join(installed.packages), number, installed.install_ms,
+            )  # fmt: skip
+        if installed.digest == declared.get("set"):
+            return meta
+        # Another Python names the same pins another set: this host's own copy.
+        return {**meta, "dependencies": {**declared, "set": installed.digest}}
+
+    async def _beating(self, work: Coroutine[Any, Any, _T]) -> _T:
+        """`work`, with a heartbeat every poll interval until it is done: a deploy waiting
+        for this host sees it live, and it applies no later change meanwhile."""
+        task = asyncio.ensure_future(work)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=self.settings.fleet_poll_s)
+            if done:
+                return task.result()
+            with contextlib.suppress(Unreachable, psycopg.Error):  # the install goes on
+                await asyncio.to_thread(self.beat)
+
+    def _serves(self, meta: dict[str, Any]) -> bool:
+        """Whether this host's pool imports a version with this metadata."""
+        return str(meta.get("pool") or DEFAULT_POOL) == self.settings.pool
+
     def _take_pointers(self, back: bool = False) -> None:
         """Far behind, or `back` in time: adopt the fleet's current pointers; files come
         on first use. Going back, the spaces the fleet no longer knows are deleted, and
@@ -221,11 +313,23 @@ class CatchUp:
         last_id = last.id if last is not None else 0
         store = self.store
         unfit: list[tuple[Change, str]] = []
+        # Dependency sets first, outside the store lock (an install may take minutes):
+        # a version whose set cannot be installed here is skipped, not pointed at.
+        for space, pointer in pointers.items():
+            if pointer is None or not self._serves(pointer[1]) or _here(store, space, pointer):
+                continue
+            try:
+                pointers[space] = (pointer[0], self._installed(pointer[0], pointer[1]))
+            except ClientError as exc:
+                unfit.append((Change(last_id, space, "deploy", pointer[0]), exc.error))
+        not_installed = {change.space for change, _ in unfit}
         with store.locked():
             if back:
                 for space in set(store.spaces()) - set(pointers):
                     pointers[space] = None
             for space, pointer in pointers.items():
+                if space in not_installed:
+                    continue
                 local = store.current(space)
                 slot: int | None = None
                 try:
@@ -286,6 +390,13 @@ class CatchUp:
         self.applied, self.token = change_id, token
         mark = f"{change_id} {token}" if token else str(change_id)
         write_atomic(self.store.root / APPLIED, mark.encode())
+
+
+def _here(store: Store, space: str, pointer: tuple[int, dict[str, Any]]) -> bool:
+    """Whether this host's current version of `space` is the fleet's pointer already."""
+    local = store.current(space)
+    here = (pointer[0], pointer[1].get("sha256"))
+    return local is not None and (local.number, local.sha256) == here
 
 
 def _replaced(wanted: Access) -> Callable[[Access], Access]:

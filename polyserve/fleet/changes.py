@@ -23,7 +23,8 @@ from polyserve.state.history import rollback_target, version_summary
 
 # What a change does, as the change log's CHECK constraint says (a rollback is a deploy
 # of an older number).
-ChangeKind = Literal["deploy", "delete", "release", "access", "secrets"]
+# A rollout's change carries its new version: every host keeps it (fleet/rollouts.py).
+ChangeKind = Literal["deploy", "delete", "release", "access", "secrets", "rollout"]
 
 
 @dataclass(frozen=True)
@@ -59,13 +60,26 @@ class ChangeLog(Connection):
             yield conn
 
     def deploy(
-        self, space: str, upload: BinaryIO, sha256: str, meta: dict[str, Any], fit: Fit
+        self,
+        space: str,
+        upload: BinaryIO,
+        sha256: str,
+        meta: dict[str, Any],
+        fit: Fit,
+        current: bool = True,
     ) -> Change:
         """Store a version under the space's next number, make it current, log the change.
         The upload is streamed from its file, never read whole. Refused (ClientError 507
-        or 413, nothing committed) when a live host could not apply it."""
+        or 413, nothing committed) when a live host could not apply it. current=False
+        keeps it beside the current one (logged as kind `rollout`: every host keeps it)."""
         size = upload.seek(0, 2)
         with self._changing() as conn:
+            if not current and _current(conn, space) is None:
+                raise ClientError(
+                    409,
+                    f"space {space} is not deployed: deploy it first without current=false",
+                    space=space,
+                )
             _refuse_unfit(conn, space, size, fit)
             conn.execute(
                 "INSERT INTO polyserve_spaces (name) VALUES (%s) ON CONFLICT DO NOTHING", (space,)
@@ -74,16 +88,17 @@ class ChangeLog(Connection):
             before = conn.execute(
                 "SELECT current_version FROM polyserve_spaces WHERE name = %s", (space,)
             ).fetchone()
+            moved = ", current_version = last_version + 1" if current else ""
             row = conn.execute(
-                "UPDATE polyserve_spaces SET last_version = last_version + 1,"
-                " current_version = last_version + 1 WHERE name = %s RETURNING last_version",
+                f"UPDATE polyserve_spaces SET last_version = last_version + 1{moved}"
+                " WHERE name = %s RETURNING last_version",
                 (space,),
             ).fetchone()
             assert row is not None
             number = row[0]
             meta = {**meta, "version": number, "replaced": before[0] if before else None}
             copy_version(conn, (space, number, sha256, meta), upload, size)
-            return _log(conn, space, "deploy", number)
+            return _log(conn, space, "deploy" if current else "rollout", number)
 
     def rollback(self, space: str, asked: int | None) -> tuple[Change, int, dict[str, Any]]:
         """Make a stored version current again, logged as a deploy of that (older)

@@ -8,7 +8,9 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 
 import anyio
+import anyio.to_thread
 
+from polyserve.errors import ClientError
 from polyserve.fleet.catchup import APPLIED, read_applied
 from polyserve.fleet.changes import Change, Fit
 from polyserve.fleet.connection import Unreachable, threaded
@@ -82,19 +84,46 @@ class FleetClient:
         return (202 if lagging or skipped else 200), body
 
     def deploy(
-        self, space: str, upload: BinaryIO, sha256: str, meta: dict[str, Any], unpacked: int
+        self,
+        space: str,
+        upload: BinaryIO,
+        sha256: str,
+        meta: dict[str, Any],
+        unpacked: int,
+        current: bool = True,
     ) -> Change:
         """Commit a validated upload, streamed from its file, unless some live host could
         not apply it (ClientError 507 or 413: nothing is committed). On the fleet's
         threads (run)."""
         s = self.settings
         fit = Fit(s.host_id, s.fleet_live_s, unpacked)
-        return self.db.deploy(space, upload, sha256, meta, fit)
+        return self.db.deploy(space, upload, sha256, meta, fit, current)
 
     async def fetch(self, version: Version) -> None:
-        """A version this host knows only by its pointer: its files, on first use."""
+        """A version this host knows only by its pointer: its files, on first use, and
+        its dependency set if this host lacks it (it took the version while in another
+        pool, whose versions come with neither)."""
+        if version.deps is not None and not version.deps.is_dir():
+            await self._install_set(version)
         limit = self.settings.max_unpacked_mb << 20
         await self.run(fetch_version, self.db, self.store, version, limit)
+
+    async def _install_set(self, version: Version) -> None:
+        """The pins the version's metadata carries, installed here as a follower would."""
+        from polyserve.deploy import deps  # uv and packaging: only a host that installs pays
+
+        meta = await anyio.to_thread.run_sync(self.store.meta, version.space, version.number)
+        declared = (meta or {}).get("dependencies")
+        if not isinstance(declared, dict):
+            return
+        installed = await deps.install_pins(declared, self.store.root, self.settings)
+        if installed.site != version.deps:
+            raise ClientError(
+                500,
+                f"{version.space} v{version.number} names the dependency set {declared.get('set')},"
+                f" which this host's Python installs as {installed.digest}: run the Python of"
+                " the host that took the deploy, or deploy it again through this host",
+            )
 
     async def usage(self) -> dict[str, Any]:
         """The fleet's ledger, rendered like a host's usage: per space, then each host's

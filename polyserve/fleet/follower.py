@@ -22,6 +22,7 @@ import uuid
 
 import psycopg
 
+from polyserve.fleet import rollouts
 from polyserve.fleet.catchup import CatchUp
 from polyserve.fleet.connection import Unreachable
 from polyserve.fleet.db import FleetDB
@@ -51,7 +52,10 @@ class Follower:
         # (None: not joined yet, so nothing to write: the next boot bills it all).
         self.baseline: Totals | None = None
         self.db = FleetDB(settings.database_url, settings.fleet_timeout_s)
-        self.catchup = CatchUp(settings, self.db, Changes(store, broadcast))
+        self.catchup = CatchUp(settings, self.db, Changes(store, broadcast), self._installing)
+        # This boot's first heartbeat makes it live, and comes after its first catch-up:
+        # an install during that one (a joining host) heartbeats nothing.
+        self._beaten = False
         self.stop = threading.Event()
         self._usage_at = 0.0  # monotonic time of the last usage write
 
@@ -67,13 +71,8 @@ class Follower:
                     if self.stop.is_set():
                         break
                 self.catchup.catch_up()
-                acknowledged = (self._workers(), self.catchup.applied, self.catchup.token)
-                if not self.db.heartbeat(s.host_id, self.boot.id, *acknowledged):
-                    self._replaced()
+                if not self._beat():
                     break
-                # The workers' health answers 200 only while this is recent (control/plane.py):
-                # a load balancer then sends no requests to a host that may be behind.
-                self.broadcast.table.set_header(H_FOLLOWED, meter.now_us())
                 if time.monotonic() - self._usage_at >= s.checkpoint_interval:
                     self.write_usage()
                 self._wait(listener)
@@ -89,6 +88,26 @@ class Follower:
         if listener is not None:
             listener.close()
 
+    def _beat(self) -> bool:
+        """Heartbeat with the last change applied; False when this boot was replaced."""
+        s = self.settings
+        acknowledged = (self._workers(), self.catchup.applied, self.catchup.token)
+        if not self.db.heartbeat(s.host_id, self.boot.id, *acknowledged):
+            self._replaced()  # during an install: it finishes, then the loop stops
+            return False
+        self._beaten = True
+        # The workers' health answers 200 only while this is recent (control/plane.py):
+        # a load balancer then sends no requests to a host that may be behind.
+        self.broadcast.table.set_header(H_FOLLOWED, meter.now_us())
+        return True
+
+    def _installing(self) -> None:
+        """Catch-up's call while a dependency set installs (which may take minutes): a
+        host that was live stays live and healthy, serving what it applied, until the
+        install is done; a boot that has not caught up once stays not live."""
+        if self._beaten:
+            self._beat()
+
     def _wait(self, listener: psycopg.Connection) -> None:
         """Until the first NOTIFY, the poll interval (the backstop), the next usage write,
         or a stop: in short waits, so a follower whose master died (SIGTERM) stops at
@@ -98,6 +117,7 @@ class Follower:
         while not self.stop.is_set() and (left := end - time.monotonic()) > 0:
             if next(listener.notifies(timeout=min(left, STOP_CHECK_S), stop_after=1), None):
                 return
+            rollouts.tick(self.catchup, s.host_id)  # a rollout's step decided (or not)
 
     def _join(self) -> None:
         """Join the fleet: this process's first join may take over from an earlier boot;

@@ -131,6 +131,27 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE polyserve_changes ADD CONSTRAINT polyserve_changes_kind_check
         CHECK (kind IN ('deploy', 'delete', 'release', 'access', 'secrets'));
     """,
+    # Rollouts (docs/rollouts.md): one state per space, the counts each host reports for
+    # its step, and the change kind that tells every host to apply a state (and to keep
+    # a version deployed with current=false).
+    """
+    CREATE TABLE polyserve_rollouts (
+        space text PRIMARY KEY,
+        state jsonb NOT NULL,
+        updated_at timestamptz NOT NULL DEFAULT now()
+    );
+    CREATE TABLE polyserve_rollout_counts (
+        space text NOT NULL,
+        host text NOT NULL,
+        started_at float8 NOT NULL,             -- which rollout of the space
+        step integer NOT NULL,
+        counts jsonb NOT NULL,                  -- _step's: new and old requests, errors
+        PRIMARY KEY (space, host, started_at, step)
+    );
+    ALTER TABLE polyserve_changes DROP CONSTRAINT polyserve_changes_kind_check;
+    ALTER TABLE polyserve_changes ADD CONSTRAINT polyserve_changes_kind_check
+        CHECK (kind IN ('deploy', 'delete', 'release', 'access', 'secrets', 'rollout'));
+    """,
 )
 
 

@@ -24,7 +24,9 @@ from polyserve.deploy.forkserver import ForkServer
 from polyserve.master.leftover import Leftover
 from polyserve.procs import die_with_parent, stop_child
 from polyserve.serve import warmup
-from polyserve.state import handoff
+from polyserve.state import handoff, rollouts
+from polyserve.state.apply import Changes
+from polyserve.state.broadcast import Broadcast
 from polyserve.state.handoff import Handoff
 from polyserve.state.shm import H_STARTED, Table, segment_name
 from polyserve.state.store import Store
@@ -218,6 +220,15 @@ def when_ready(server: Any) -> None:
             target=_master.checkpoints, name="usage-checkpoint", daemon=True
         )
         _master.thread.start()
+        # One process moves every rollout's steps: this master, not each worker.
+        kept = Store(s.data_dir, s.max_spaces, s.keep_versions)  # its prune keeps as workers'
+        # On a fleet host the follower moves the steps (polyserve/fleet/rollouts.py): this
+        # thread keeps the table's words and a restarted boot's bases only.
+        changes = None if s.database_url else Changes(kept, Broadcast(_master.table, None))
+        driver = rollouts.Driver(kept, _master.table, changes)
+        threading.Thread(
+            target=driver.run, args=(_master.stop,), name="rollouts", daemon=True
+        ).start()
     except BaseException:
         on_exit(server)  # gunicorn calls no on_exit for a failed start: checkpoint, unlink
         raise

@@ -17,6 +17,7 @@ from polyserve.serve.deadlines import Deadlines
 from polyserve.serve.gate import PUBLIC, Gate, Refused
 from polyserve.serve.refusals import answer, elsewhere, refusal
 from polyserve.serve.registry import OtherPool, Registry
+from polyserve.serve.split import Split
 from polyserve.usage.meter import Meter
 
 if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
@@ -36,8 +37,10 @@ class Dispatch:
         pools: PoolRouter | None = None,
         max_infer: int = 64 << 20,
         gate: Gate | None = None,
+        split: Split | None = None,
     ) -> None:
         self.registry = registry
+        self.split = split  # None: no rollouts (in-process tests of dispatch alone)
         self.gate = gate  # None: every space is public (in-process tests of dispatch alone)
         self.max_infer = max_infer  # bytes of a model space's infer body
         self.meter = meter
@@ -59,6 +62,7 @@ class Dispatch:
         started = self.meter.begin()  # busy time includes a cold start's import
         slot: int | None = None  # None: no space answered, so no request is counted
         metered = False
+        lane = False  # a rollout sent it to its new version: counted in the lane too
 
         def count(status: int, billed: bool = True, error: bool | None = None) -> None:
             # A model space's metadata and health reads are answered but not billed, and
@@ -67,7 +71,9 @@ class Dispatch:
             if not metered:
                 metered = True
                 failed = status >= 500 if error is None else error
-                self.meter.end(slot if billed else None, started, error=failed)
+                took = self.meter.end(slot if billed else None, started, error=failed)
+                if lane and billed and slot is not None:
+                    self.meter.lane(slot, failed, took)
                 if key != PUBLIC and billed and slot is not None:
                     self.meter.keyed(slot, key)
 
@@ -79,6 +85,19 @@ class Dispatch:
             try:
                 if version is None:
                     active = self.registry.lease_current(space) or await self.registry.lease(space)
+                    split = self.split
+                    # One word read when no rollout runs: the rest only while one does.
+                    if split is not None and split.words[active.slot]:
+                        chosen = split.choose(active.slot, space, scope["headers"])
+                    else:
+                        chosen = 0
+                    if chosen and chosen != active.version.number:
+                        # A rollout's choice: the only way two versions serve plain requests.
+                        self.registry.end_lease(active)
+                        version, lane = str(chosen), True
+                        active = self.registry.lease_named(space, version) or (
+                            await self.registry.lease_version(space, version)
+                        )
                 else:
                     active = self.registry.lease_named(space, version) or (
                         await self.registry.lease_version(space, version)

@@ -50,13 +50,22 @@ class Changes:
         self.store.prune(space, self.broadcast.oldest_held(slot))
 
     def publish(
-        self, space: str, staged: Staged, meta: dict[str, object], number: int | None = None
+        self,
+        space: str,
+        staged: Staged,
+        meta: dict[str, object],
+        number: int | None = None,
+        current: bool = True,
     ) -> int:
-        """Make a validated stage the space's current version; returns its number (the
-        space's next one, or the one a fleet gave it)."""
+        """Make a validated stage the space's current version (current=False: a kept
+        version beside it, nothing bumped); returns its number (the space's next one, or
+        the one a fleet gave it)."""
         with self.store.locked():
-            slot, number = self.store.publish(space, staged, meta, self.reclaim, number)
-            self.moved(space, slot)
+            slot, number = self.store.publish(
+                space, staged, meta, self.reclaim, number, current=current
+            )
+            if current:
+                self.moved(space, slot)
         return number
 
     def delete(self, space: str) -> bool:

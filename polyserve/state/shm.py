@@ -12,6 +12,11 @@ Layout (native int64 words, so every cell is an aligned 8-byte store)::
     access       S         per space slot: bumped by each change of its access (keys,
                            private) and each deploy, delete and rollback, so a worker
                            re-reads the access file it keeps (polyserve.serve.gate)
+    rollouts     S         per space slot: its running rollout's word (polyserve.state.
+                           rollouts: the new version, its percent and a tag; 0 = none),
+                           written from the rollout's file under the store lock (by the
+                           master's rollout thread, a start or an abort; on a fleet host
+                           also its follower), so every writer writes the file's word
     held         W x S     per (worker, space): the oldest version number the worker
                            holds or is loading (0 = none), so no version directory in
                            use is pruned and no slot in use is handed to another space
@@ -39,9 +44,11 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 MAGIC = 0x70_6F_6C_79_73_72_76  # "polysrv"
-# 8: the batch and first-byte histograms (polyserve.usage.meter); 7: the access words
+# 10: the lane's duration histogram (polyserve.usage.meter); 9: the rollout words and
+# the lane cells (polyserve.state.rollouts); 8: the batch
+# and first-byte histograms (polyserve.usage.meter); 7: the access words
 # and the keys' cells (polyserve.serve.gate).
-LAYOUT_VERSION = 8
+LAYOUT_VERSION = 10
 HEADER_WORDS = 8
 H_STARTED, H_ALIVE, H_FOLLOWED = 5, 6, 7
 WORKER_WORDS = 2  # pid, in flight
@@ -97,14 +104,15 @@ class Table:
         self.generations = self.words[gen : gen + s]
         self.releases = self.words[gen + s : gen + 2 * s]
         self.access = self.words[gen + 2 * s : gen + 3 * s]
-        self.held_base = gen + 3 * s
+        self.rollouts = self.words[gen + 3 * s : gen + 4 * s]
+        self.held_base = gen + 4 * s
         self.cells_base = self.held_base + w * s
         self.base_row = w  # the master's row of restored totals
 
     @staticmethod
     def size_for(worker_rows: int, space_slots: int, cells: int) -> int:
         w, s = worker_rows, space_slots
-        return 8 * (HEADER_WORDS + WORKER_WORDS * w + 3 * s + w * s + (w + 1) * s * cells)
+        return 8 * (HEADER_WORDS + WORKER_WORDS * w + 4 * s + w * s + (w + 1) * s * cells)
 
     def inflight_index(self, row: int) -> int:
         return self.workers_base + WORKER_WORDS * row + 1
@@ -182,7 +190,8 @@ class Table:
 
     def close(self, unlink: bool = False) -> None:
         """Release this process's views; the master also unlinks the name at exit."""
-        for view in (self.pids, self.generations, self.releases, self.access, self.words):
+        views = (self.pids, self.generations, self.releases, self.access, self.rollouts)
+        for view in (*views, self.words):
             view.release()
         if self._shm is not None:
             self._shm.close()

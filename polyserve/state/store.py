@@ -113,8 +113,10 @@ class Store(Layout):
         meta: dict[str, object],
         reclaim: Reclaim | None = None,
         number: int | None = None,
+        current: bool = True,
     ) -> tuple[int, int]:
-        """Move a validated stage into place and flip `current`. Hold locked(); returns
+        """Move a validated stage into place and flip `current` (with current=False,
+        keep it beside the current one: a rollout's new version). Hold locked(); returns
         (slot, version number). The number is the space's next one, or the one a fleet
         gave it. Pruning is the caller's: only it knows what is held."""
         sdir = self.space_dir(space)
@@ -129,7 +131,10 @@ class Store(Layout):
         }
         fresh = self.place(space, number, staged)
         try:
-            slot = self.point(space, number, meta, reclaim)
+            if not current:
+                slot = self.keep(space, number, meta)
+            else:
+                slot = self.point(space, number, meta, reclaim)
         except BaseException:
             if fresh:  # nothing is active before the flip: undo what this publish wrote
                 shutil.rmtree(sdir / "versions" / str(number), ignore_errors=True)
@@ -186,6 +191,25 @@ class Store(Layout):
                 event = "deploy"
             symlink_atomic(f"versions/{number}", sdir / "current")
             self.history.record(space, event, number, previous)
+        return slot
+
+    def keep(self, space: str, number: int, meta: dict[str, object]) -> int:
+        """Store version `number`'s metadata as a kept version without moving `current`
+        (a deploy with current=false: a rollout makes it current later). Hold locked();
+        returns the slot. Raises ClientError 409 when the space is not deployed: a
+        rollout needs a current version to start from."""
+        sdir = self.space_dir(space)
+        slot = self.slots.slot(space)
+        if slot is None or current_number(sdir) is None:
+            raise ClientError(
+                409,
+                f"space {space} is not deployed: deploy it first without current=false",
+                space=space,
+            )
+        with disk_full_is_507():
+            write_atomic(sdir / "versions" / f"{number}.json", json.dumps(meta).encode())
+            if number > read_int(sdir / "last"):
+                write_atomic(sdir / "last", str(number).encode())
         return slot
 
     def reactivate(self, space: str, asked: int | None) -> tuple[int, int, int, dict[str, object]]:

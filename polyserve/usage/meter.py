@@ -33,6 +33,13 @@ Each worker row holds C = len(Cell) int64 cells per space slot (layout: polyserv
     FIRST_BYTE_US    one cell, the sum of FIRST_BYTE's times (µs)
     KEY_REQUESTS     KEY_CELLS cells, the requests answered per key of a private space
                      (its access file gives each key one of them: polyserve.state.access)
+    LANE_REQUESTS    requests a running rollout sent to its new version (the old
+    LANE_ERRORS      version's are the space's minus these); of those, errors. Not
+                     totals: a rollout's step reads them as differences within one boot
+    LANE_BUSY_US     of those, their time (µs), the sum of LANE_DURATION (totals, for
+                     /metrics, kept like the other histograms)
+    LANE_DURATION    histogram.BUCKETS cells, those requests by duration, as DURATION
+                     counts all the space's: the space's less these are the others'
 
 A worker writes only its own row, and only from its event-loop thread (sync handlers
 run in the threadpool, but their requests are metered by the dispatcher on the loop),
@@ -90,7 +97,11 @@ FIRST_BYTE_US = QUEUE_US + 1
 # The keys' block, after the histograms': a key's requests are KEY_REQUESTS + its cell.
 KEY_REQUESTS = FIRST_BYTE_US + 1
 KEY_CELLS = 8  # a space's keys at most (polyserve.state.access.MAX_KEYS)
-CELLS = KEY_REQUESTS + KEY_CELLS
+LANE_REQUESTS = KEY_REQUESTS + KEY_CELLS  # the lane of a rollout's new version
+LANE_ERRORS = LANE_REQUESTS + 1
+LANE_BUSY_US = LANE_ERRORS + 1
+LANE_DURATION = LANE_BUSY_US + 1  # the lane's duration histogram
+CELLS = LANE_DURATION + histogram.BUCKETS
 _BUCKET = histogram.bucket
 # Plain ints for the request path: an IntEnum member lookup costs more than the store.
 _REQUESTS, _ERRORS, _BUSY_US = int(Cell.REQUESTS), int(Cell.ERRORS), int(Cell.BUSY_US)
@@ -115,7 +126,8 @@ TOTALS: tuple[int, ...] = (
     Cell.BATCH_ROWS,
     Cell.RECYCLED,
     *range(DURATION, KEY_REQUESTS),  # the histograms' cells and their sums
-    *range(KEY_REQUESTS, CELLS),
+    *range(KEY_REQUESTS, LANE_REQUESTS),
+    *range(LANE_BUSY_US, CELLS),  # the lane's histogram, for /metrics
 )
 BILLED = TOTALS[:6]
 _TOTAL_CELLS = [int(c) for c in TOTALS]
@@ -128,6 +140,8 @@ TOTAL_NAMES = (
     + histogram.names("first_byte")
     + ("batch_queue_us", "first_byte_us")
     + tuple(f"key_requests_{k}" for k in range(KEY_CELLS))
+    + ("lane_busy_us",)
+    + histogram.names("lane_duration")
 )
 _TOTAL_INDEX = dict(zip(TOTAL_NAMES, _TOTAL_CELLS, strict=True))
 BILLED_NAMES = TOTAL_NAMES[: len(BILLED)]  # as the fleet's ledger names them
@@ -204,12 +218,13 @@ class Meter:
         self.words[self._inflight] += 1
         return self._ns()
 
-    def end(self, slot: int | None, started: int, error: bool) -> None:
-        """The response is complete; slot is None when no space answered (404)."""
+    def end(self, slot: int | None, started: int, error: bool) -> int:
+        """The response is complete; slot is None when no space answered (404). Returns
+        the request's time (µs; 0 when not counted), for lane()."""
         words = self.words
         words[self._inflight] -= 1
         if slot is None:
-            return
+            return 0
         base = self._row + slot * CELLS
         took = (self._ns() - started) // 1000
         words[base + _REQUESTS] += 1
@@ -217,10 +232,21 @@ class Meter:
         words[base + DURATION + _BUCKET(took)] += 1  # the histogram's sum is BUSY_US
         if error:
             words[base + _ERRORS] += 1
+        return took
 
     def keyed(self, slot: int, cell: int) -> None:
         """A request of a private space was answered with the key in `cell`."""
         self.words[self._row + slot * CELLS + KEY_REQUESTS + cell] += 1
+
+    def lane(self, slot: int, error: bool, took: int = 0) -> None:
+        """A request that a rollout sent to its new version was answered in `took` µs
+        (what end() returned)."""
+        words, base = self.words, self._row + slot * CELLS
+        words[base + LANE_REQUESTS] += 1
+        words[base + LANE_BUSY_US] += took
+        words[base + LANE_DURATION + _BUCKET(took)] += 1
+        if error:
+            words[base + LANE_ERRORS] += 1
 
     def loaded(self, slot: int, started: int, memory_bytes: int, gpu_bytes: int = 0) -> None:
         """A version finished loading; residency runs from `started`, the load's start."""
@@ -400,11 +426,12 @@ def snapshot(table: Table, ledger: Ledger, now: int) -> Snapshot:
 def key_counts(table: Table, ledger: Ledger, slot: int) -> list[int]:
     """A slot's KEY_CELLS counts over every row, as the usage answer reads them (with
     the ledger's offset of a handed-over slot)."""
-    cells = table.cell_array()[:, slot, KEY_REQUESTS:CELLS].sum(axis=0)
+    cells = table.cell_array()[:, slot, KEY_REQUESTS:LANE_REQUESTS].sum(axis=0)
     offset = ledger.offsets.get(slot)
     if offset is not None:
         widened = _widen(offset)
-        cells = cells + np.array(widened[len(TOTALS) - KEY_CELLS :], dtype=np.int64)
+        first = _TOTAL_CELLS.index(KEY_REQUESTS)
+        cells = cells + np.array(widened[first : first + KEY_CELLS], dtype=np.int64)
     return [int(v) for v in cells]
 
 

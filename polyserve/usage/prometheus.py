@@ -23,6 +23,8 @@ from polyserve.usage.meter import (
     DURATION,
     FIRST_BYTE,
     FIRST_BYTE_US,
+    LANE_BUSY_US,
+    LANE_DURATION,
     QUEUE_US,
     RELEASES,
     Cell,
@@ -172,6 +174,14 @@ class _SnapshotCollector:
             seconds,
             t[:, DURATION : DURATION + histogram.BUCKETS],
             t[:, Cell.BUSY_US] / 1e6,  # end() adds the same µs to both
+        )
+        yield self._histogram(
+            "polyserve_space_rollout_request_duration_seconds",
+            "The space's requests that a rollout sent to its new version, by duration (the"
+            " space's histogram less this one is its other requests'); since the host's start.",
+            seconds,
+            t[:, LANE_DURATION : LANE_DURATION + histogram.BUCKETS],
+            t[:, LANE_BUSY_US] / 1e6,
         )
         yield self._histogram(
             "polyserve_space_batch_rows",

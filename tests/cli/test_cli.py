@@ -27,7 +27,18 @@ from tests.helpers import HostProcess, free_port, until
 _SCRIPT = Path(sys.executable).parent / "polyserve"
 # The console script pip installed; `python -m polyserve.cli` where there is none.
 CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "polyserve.cli"]
-COMMANDS = ["deploy", "list", "usage", "history", "rollback", "release", "delete", "logs", "keys"]
+COMMANDS = [
+    "deploy",
+    "list",
+    "usage",
+    "history",
+    "rollback",
+    "rollout",
+    "release",
+    "delete",
+    "logs",
+    "keys",
+]
 
 
 def polyserve(

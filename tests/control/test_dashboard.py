@@ -240,6 +240,36 @@ def test_the_chart_draws_requests_per_second_and_p99_from_the_live_figures(host_
     page.close()
 
 
+def test_a_running_rollout_shows_on_its_space_row(host_factory, browser):
+    """The version cell says the new version and its percent while a rollout runs, and
+    only the current version once it is aborted."""
+    h = host_factory(workers=1)
+    assert h.deploy("lee101/roll", BETA.format(version=1)).status_code == 200
+    kept = httpx.post(
+        h.url + "/_polyserve/deploy",
+        data={"space": "lee101/roll", "current": "false"},
+        files={"module": ("main.py", BETA.format(version=2).encode())},
+        timeout=60,
+    )
+    assert kept.status_code == 200, kept.text
+    started = httpx.post(
+        h.url + "/_polyserve/spaces/lee101/roll/rollout",
+        json={"version": 2, "steps": [25, 100], "step_s": 3600},
+    )
+    assert started.status_code == 200, started.text
+    page = browser.new_page(viewport={"width": 1280, "height": 600})
+    problems = watch(page)
+    page.goto(h.url + "/_polyserve/")
+    cell = page.locator('tbody[data-space="lee101/roll"] td.version')
+    expect(cell).to_have_text("v1 \u2192 v2 25%", timeout=WAIT_MS)
+    assert "step 1 of 2" in (cell.get_attribute("title") or "")
+    aborted = httpx.post(h.url + "/_polyserve/spaces/lee101/roll/rollout/abort")
+    assert aborted.status_code == 200, aborted.text
+    expect(cell).to_have_text("v1", timeout=WAIT_MS)
+    assert problems == []
+    page.close()
+
+
 ADMIN = "dashboard-admin-token"
 
 

@@ -465,16 +465,37 @@ def test_uv_gets_none_of_the_hosts_secrets_or_uv_settings(tmp_path, monkeypatch)
     assert env["UV_CACHE_DIR"] == str(tmp_path / "uv-cache")
 
 
-def test_a_fleet_host_refuses_dependencies_it_cannot_install_everywhere(tmp_path):
-    """Until the follower installs sets, a fleet deploy with dependencies is refused."""
-    from polyserve.deploy.deploys import Deploys
+def test_a_fleet_hosts_pins_install_exactly_the_set_the_receiving_host_resolved(tmp_path, wheels):
+    """A fleet host installs the pins a version's metadata carries: the same set under
+    the same name as the receiving host's resolution, nothing resolved beyond the pins,
+    nothing run once it is there, and uv's words when a pin is not in its find-links."""
+    receiving = offline(tmp_path / "a", wheels)
+    files = {"main.py": USES_TESTPKG, "requirements.txt": f"{TESTPKG}==2.0\n"}
+    requested = requirements.read(space_dir(tmp_path, files), receiving)
+    assert requested is not None
+    resolved = asyncio.run(deps.install(requested, tmp_path / "a", receiving)).answer()
 
-    root = space_dir(tmp_path, {"main.py": V1, "requirements.txt": "pkg-a\n"})
-    staged = type("Staged", (), {"dir": root})()
-    fake = Deploys.__new__(Deploys)
-    fake.settings, fake.fleet, fake.host_limiter = settings.load({}), object(), None
-    with pytest.raises(ClientError, match="fleet"):
-        asyncio.run(fake._dependencies(staged))  # type: ignore[arg-type]
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    other = offline(tmp_path / "b", wheels, POLYSERVE_DEPS_FIND_LINKS=f"{wheels}:{extra}")
+    pinned = asyncio.run(deps.install_pins(resolved, tmp_path / "b", other))
+    assert (pinned.digest, pinned.packages) == (resolved["set"], resolved["packages"])
+    assert pinned.installed == [f"{TESTPKG}==2.0"] and (pinned.site / "polyserve_testpkg").is_dir()
+    again = asyncio.run(deps.install_pins(resolved, tmp_path / "b", other))
+    assert again.installed == [] and again.digest == pinned.digest
+
+    # No resolution of its own: a pin's dependencies come only as pins of their own.
+    wheel(extra, "polyserve-needs", "1.0", {"polyserve_needs.py": ""}, (TESTPKG,))
+    alone = asyncio.run(
+        deps.install_pins({"packages": ["polyserve-needs==1.0"]}, tmp_path / "b", other)
+    )
+    assert alone.packages == ["polyserve-needs==1.0"]
+    assert not (alone.site / "polyserve_testpkg").exists()
+
+    with pytest.raises(ClientError) as refused:
+        asyncio.run(deps.install_pins({"packages": [f"{TESTPKG}==9.0"]}, tmp_path / "b", other))
+    assert refused.value.status == 422 and f"{TESTPKG}==9.0" in str(refused.value.details["uv"])
+    assert not list((tmp_path / "b" / "deps" / "tmp").iterdir())  # nothing half-installed
 
 
 def test_the_uv_binary_is_the_hosts_own_dependency():

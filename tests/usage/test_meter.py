@@ -42,6 +42,7 @@ def test_every_region_of_the_layout_is_distinct():
     indices += [generations + s for s in range(5)]
     indices += [generations + 5 + s for s in range(5)]  # release words
     indices += [generations + 10 + s for s in range(5)]  # access words
+    indices += [generations + 15 + s for s in range(5)]  # rollout words
     indices += [table.held_index(w, s) for w in range(3) for s in range(5)]
     indices += [table.cell_index(r, s, c) for r in range(4) for s in range(5) for c in range(CELLS)]
     for i in indices:

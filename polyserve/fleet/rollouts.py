@@ -1,0 +1,280 @@
+"""The fleet's rollouts: one state per space in PostgreSQL, applied by every host.
+
+A rollout's state is one row of `polyserve_rollouts` (migration 7), the same object a
+single host keeps in its file (polyserve.state.rollouts) less what is each host's own
+(its counts' base and boot). Each write commits the row and a change of kind `rollout`
+(carrying the new version) under CHANGE_LOCK; every host's follower applies it: keeps
+the new version (fetching its files), pins both, and writes the state into its file and
+the table's word, so every host splits by the same weights.
+
+Who moves the steps: every host's follower reports its counts of the step under way
+(`polyserve_rollout_counts`); once the step is due, the first follower to lock the row
+(`SELECT … FOR UPDATE`, then a check that the step is still the due one) sums every
+host's counts, decides (rollouts.decide) and commits the next state; at 100% it makes
+the new version current with a rollback's change. So each step is decided once, by one
+host, from the fleet's counts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from polyserve.errors import ClientError
+from polyserve.fleet.changes import Change, log_change
+from polyserve.fleet.connection import Connection
+from polyserve.fleet.schema import CHANGE_LOCK
+from polyserve.state import rollouts
+from polyserve.state.shm import H_STARTED
+
+if TYPE_CHECKING:
+    from polyserve.fleet.catchup import CatchUp
+
+log = logging.getLogger("polyserve")
+
+
+class RolloutRows(Connection):
+    """The rollouts' rows, their counts, and the changes that tell the hosts."""
+
+    def rollout_of(self, space: str) -> dict[str, Any] | None:
+        with self.session() as conn:
+            row = conn.execute(
+                "SELECT state FROM polyserve_rollouts WHERE space = %s", (space,)
+            ).fetchone()
+        return dict(row[0]) if row else None
+
+    def rollout_start(self, space: str, asked: dict[str, Any]) -> tuple[Change, dict[str, Any]]:
+        """Commit a new rollout (rollouts.parse's `asked`); ClientError 404 (not deployed,
+        or the fleet stores no such version) or 409 (one is live, or it is current)."""
+        with _changing(self) as conn:
+            row = conn.execute(
+                "SELECT current_version FROM polyserve_spaces WHERE name = %s", (space,)
+            ).fetchone()
+            if row is None or row[0] is None:
+                raise ClientError(404, f"space {space} is not deployed", space=space)
+            current, new = int(row[0]), int(asked["version"])
+            stored = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT number FROM polyserve_versions WHERE space = %s ORDER BY number",
+                    (space,),
+                ).fetchall()
+            ]
+            if new not in stored:
+                raise ClientError(
+                    404,
+                    f"the fleet stores no version {new} of {space}: it stores {stored}",
+                    space=space,
+                    kept=stored,
+                )
+            if new == current:
+                raise ClientError(409, f"version {new} of {space} is current already", space=space)
+            earlier = _locked_state(conn, space)
+            if earlier is not None and earlier["status"] in rollouts.LIVE:
+                raise ClientError(
+                    409,
+                    f"space {space} has a rollout of version {earlier['version']}"
+                    f" {earlier['status']}: abort it first (POST …/rollout/abort)",
+                    space=space,
+                )
+            now = time.time()
+            state = {
+                "space": space,
+                **asked,
+                "old": current,
+                "status": "running",
+                "step": 0,
+                "weight": asked["steps"][0],
+                "reason": None,
+                "started_at": now,
+                "step_started_at": now,
+                "ended_at": None,
+                "history": [],
+            }
+            return _commit(conn, space, state), state
+
+    def rollout_act(self, space: str, action: str) -> tuple[Change, dict[str, Any]]:
+        """pause, resume or abort; ClientError 404 (no rollout) or 409 (it is over)."""
+        with _changing(self) as conn:
+            state = _locked_state(conn, space)
+            if state is None:
+                raise ClientError(404, f"space {space} has no rollout", space=space)
+            if state["status"] not in rollouts.LIVE:
+                raise ClientError(
+                    409, f"the rollout of {space} is over ({state['status']})", space=space
+                )
+            now = time.time()
+            if action == "pause" and state["status"] == "running":
+                state["status"] = "paused"
+                left = state["step_s"] - (now - state["step_started_at"])
+                state["paused_left_s"] = max(left, 0.0)
+            elif action == "resume" and state["status"] == "paused":
+                state["status"] = "running"
+                left = float(state.pop("paused_left_s", state["step_s"]))
+                state["step_started_at"] = now - (state["step_s"] - left)
+            elif action == "abort":
+                state.pop("paused_left_s", None)
+                state.update(status="aborted", reason="aborted on request", ended_at=now, weight=0)
+            return _commit(conn, space, state), state
+
+    def rollout_report(self, space: str, host: str, state: dict[str, Any], counts: Any) -> None:
+        """This host's counts of the step under way (rollouts.step_counts')."""
+        with self.session() as conn:
+            conn.execute(
+                "INSERT INTO polyserve_rollout_counts (space, host, started_at, step, counts)"
+                " VALUES (%s, %s, %s, %s, %s::jsonb) ON CONFLICT (space, host, started_at, step)"
+                " DO UPDATE SET counts = EXCLUDED.counts",
+                (space, host, state["started_at"], state["step"], json.dumps(counts)),
+            )
+
+    def rollout_judge(self, space: str, seen: dict[str, Any]) -> dict[str, Any] | None:
+        """The step `seen` is due: decide it from every host's counts, unless another
+        host has (None then). Returns the committed state."""
+        with _changing(self) as conn:
+            state = _locked_state(conn, space)
+            if (
+                state is None
+                or state["status"] != "running"
+                or state["started_at"] != seen["started_at"]
+                or state["step"] != seen["step"]
+                or time.time() - state["step_started_at"] < state["step_s"]
+            ):
+                return None
+            rows = conn.execute(
+                "SELECT counts FROM polyserve_rollout_counts"
+                " WHERE space = %s AND started_at = %s AND step = %s",
+                (space, state["started_at"], state["step"]),
+            ).fetchall()
+            summed: dict[str, dict[str, float]] = {
+                k: {"requests": 0, "errors": 0} for k in ("new", "old")
+            }
+            for (counts,) in rows:
+                for k in summed:
+                    summed[k]["requests"] += int(counts[k]["requests"])
+                    summed[k]["errors"] += int(counts[k]["errors"])
+            for c in summed.values():
+                c["error_rate"] = round(c["errors"] / c["requests"], 4) if c["requests"] else 0.0
+            outcome = rollouts.decide(state, summed, time.time())
+            if outcome != "next":
+                state["ended_at"] = time.time()
+                state["weight"] = 0 if outcome == "rolled_back" else 100
+                state["status"] = outcome
+            _commit(conn, space, state)
+        return state
+
+
+def _changing(db: Connection) -> Any:
+    """A transaction under CHANGE_LOCK, as ChangeLog's writes take."""
+    return _Changing(db)
+
+
+class _Changing:
+    def __init__(self, db: Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> psycopg.Connection:
+        self._session = self.db.session()
+        conn = self._session.__enter__()
+        self._tx = conn.transaction()
+        self._tx.__enter__()
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (CHANGE_LOCK,))
+        return conn
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._tx.__exit__(*exc)
+        finally:
+            self._session.__exit__(*exc)
+
+
+def _locked_state(conn: psycopg.Connection, space: str) -> dict[str, Any] | None:
+    row = conn.execute(
+        "SELECT state FROM polyserve_rollouts WHERE space = %s FOR UPDATE", (space,)
+    ).fetchone()
+    return dict(row[0]) if row else None
+
+
+def _commit(conn: psycopg.Connection, space: str, state: dict[str, Any]) -> Change:
+    conn.execute(
+        "INSERT INTO polyserve_rollouts (space, state) VALUES (%s, %s::jsonb)"
+        " ON CONFLICT (space) DO UPDATE SET state = EXCLUDED.state, updated_at = now()",
+        (space, json.dumps(state)),
+    )
+    return log_change(conn, space, "rollout", int(state["version"]))
+
+
+# -- a host's side: applying a state, and the follower's tick ---------------------------
+
+
+def apply(catchup: CatchUp, space: str, version: int | None) -> None:
+    """A `rollout` change here: keep `version` (its files fetched, if this pool's), then
+    take the fleet's state of the space's rollout into the file and the table's word."""
+    store, db = catchup.store, catchup.db
+    table = catchup.changes.broadcast.table
+    if version is not None and store.meta(space, version) is None:
+        catchup.keep(space, version)
+    state = db.rollout_of(space)
+    if state is None:
+        return  # a deploy with current=false alone
+    with store.locked():
+        local = rollouts.read(store.root, space)
+        slot = store.slots.slot(space)
+        same = (
+            local is not None
+            and local.get("started_at") == state["started_at"]
+            and local.get("step") == state["step"]
+            and local.get("status") == state["status"]
+        )
+        if same and local is not None:
+            state["base"], state["boot"] = local["base"], local["boot"]
+        else:  # a new step here: its counts start now
+            state["base"] = rollouts.counts(table, slot) if slot is not None else [0, 0, 0, 0]
+            state["boot"] = table.header(H_STARTED)
+        versions = {int(state["version"]), int(state["old"])}
+        live = state["status"] in rollouts.LIVE and store.current(space) is not None
+        for v in versions:
+            if live and v in store.kept(space):
+                store.pin(space, v)
+            elif not live and store.current(space) is not None:
+                store.unpin(space, v)
+        rollouts.write(store.root, state)
+        if slot is not None:
+            table.rollouts[slot] = rollouts.word_of(state) if live else 0
+
+
+def tick(catchup: CatchUp, host: str) -> None:
+    """The follower's turn (every STOP_CHECK_S): report this host's counts of each live
+    rollout's step, and decide the steps that are due (the first host to lock wins)."""
+    store, db = catchup.store, catchup.db
+    table = catchup.changes.broadcast.table
+    try:
+        names = list((store.root / rollouts.DIR).iterdir())
+    except FileNotFoundError:
+        return
+    for p in names:
+        try:
+            local = json.loads(p.read_bytes())
+        except (FileNotFoundError, ValueError):
+            continue
+        space = str(local.get("space"))
+        slot = store.slots.slot(space)
+        if local.get("status") not in rollouts.LIVE or slot is None:
+            continue
+        if local.get("boot") != table.header(H_STARTED):
+            continue  # the master's thread resets a restarted boot's base first
+        db.rollout_report(space, host, local, rollouts.step_counts(table, slot, local))
+        due = time.time() - local["step_started_at"] >= local["step_s"]
+        if local["status"] != "running" or not due:
+            continue
+        decided = db.rollout_judge(space, local)
+        if decided is None:
+            continue
+        log.info(
+            "%s: rollout step %d decided here: %s", space, local["step"] + 1, decided["status"]
+        )
+        if decided["status"] == "completed":
+            db.rollback(space, int(decided["version"]))

@@ -1,0 +1,102 @@
+"""Rollouts in a fleet: real gunicorn hosts sharing a real PostgreSQL. A rollout started
+through one host runs on every host by the same weights, an abort through another host
+reaches the first, and a good version's steps (decided by one host from every host's
+counts) end with it current everywhere."""
+
+from __future__ import annotations
+
+import httpx2 as httpx
+import psycopg
+import pytest
+
+# _client: test_fleet's module-wide HTTP client, which its helpers use (an autouse fixture)
+from tests.fleet.test_fleet import _client, start_fleet  # noqa: F401
+from tests.helpers import HostProcess, until
+from tests.hosts.test_rollout import source
+
+pytestmark = pytest.mark.postgres
+
+
+def deploy(host: HostProcess, space: str, content: str, current: bool = True) -> dict:
+    data = {"space": space} if current else {"space": space, "current": "false"}
+    r = httpx.post(
+        host.url + "/_polyserve/deploy",
+        data=data,
+        files={"module": ("main.py", content.encode())},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def post(host: HostProcess, path: str, **body: object) -> httpx.Response:
+    return httpx.post(f"{host.url}/_polyserve/spaces/{path}", json=body or None, timeout=60)
+
+
+def state(host: HostProcess, space: str) -> dict:
+    r = host.get(f"/_polyserve/spaces/{space}/rollout")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def answers(host: HostProcess, space: str, n: int) -> dict[str, int]:
+    seen = {"one": 0, "two": 0}
+    with httpx.Client(base_url=host.url, timeout=30) as client:
+        for _ in range(n):
+            seen[client.get(f"/s/{space}/").json()["v"]] += 1
+    return seen
+
+
+def test_a_rollout_runs_on_every_host_and_an_abort_through_one_reaches_the_other(
+    host_factory, fleet_db
+):
+    a, b = start_fleet(host_factory, fleet_db, "ab")
+    deploy(a, "fr/split", source("one"))
+    kept = deploy(a, "fr/split", source("two"), current=False)
+    assert kept["version"] == 2 and kept["current"] is False
+    assert kept["hosts"]["applied"] == 2
+    for host in (a, b):  # kept everywhere, the current one serving
+        assert host.get("/s/fr/split/").json() == {"v": "one"}
+        assert host.get("/s/fr/split@2/").json() == {"v": "two"}
+    r = post(a, "fr/split/rollout", version=2, steps=[30, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    assert r.json()["hosts"]["applied"] == 2
+    # Both hosts split by the same weights: 200 requests at 30% each.
+    for host in (a, b):
+        assert state(host, "fr/split")["weights"] == {"1": 70, "2": 30}
+        seen = answers(host, "fr/split", 200)
+        assert seen["two"] > 0 and seen["one"] > 0, (host.url, seen)
+    with psycopg.connect(fleet_db) as conn:
+        (row,) = conn.execute("SELECT state FROM polyserve_rollouts").fetchall()
+        assert row[0]["status"] == "running" and row[0]["version"] == 2
+        kinds = [k for (k,) in conn.execute("SELECT kind FROM polyserve_changes ORDER BY id")]
+        assert kinds == ["deploy", "rollout", "rollout"]
+    # An abort through B: once it answers, A serves only the current version.
+    r = post(b, "fr/split/rollout/abort")
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "aborted"
+    assert state(a, "fr/split")["status"] == "aborted"
+    assert answers(a, "fr/split", 40) == {"one": 40, "two": 0}
+
+
+def test_a_good_version_completes_fleet_wide_and_becomes_current(host_factory, fleet_db):
+    a, b = start_fleet(host_factory, fleet_db, "ab")
+    deploy(a, "fr/good", source("one"))
+    deploy(b, "fr/good", source("two"), current=False)
+    r = post(b, "fr/good/rollout", version=2, steps=[50, 100], step_s=1)
+    assert r.status_code == 200, r.text
+
+    def completed() -> bool:
+        for host in (a, b):
+            host.get("/s/fr/good/")
+        return all(state(h, "fr/good")["status"] == "completed" for h in (a, b))
+
+    until(completed, what="the rollout to complete on both hosts")
+    # The step was decided once, from both hosts' counts.
+    (step,) = state(a, "fr/good")["history"]
+    assert step["weight"] == 50 and step["new"]["requests"] + step["old"]["requests"] >= 2
+
+    def current_everywhere() -> bool:
+        return all(h.get("/s/fr/good/").json() == {"v": "two"} for h in (a, b))
+
+    until(current_everywhere, what="version 2 current on both hosts")

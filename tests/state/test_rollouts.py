@@ -1,0 +1,68 @@
+"""A rollout's request body and its step's decision, without a host."""
+
+from __future__ import annotations
+
+import pytest
+
+from polyserve.errors import ClientError
+from polyserve.state import rollouts
+
+
+def test_a_body_gets_the_defaults_and_a_lowercased_sticky_header():
+    asked = rollouts.parse(b'{"version": 3, "sticky_header": "X-User"}')
+    assert asked == {
+        "version": 3,
+        "steps": [5, 25, 50, 100],
+        "step_s": 60.0,
+        "max_error_rate": 0.05,
+        "sticky_header": "x-user",
+    }
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"[]",
+        b'{"version": true}',
+        b'{"version": 2, "steps": []}',
+        b'{"version": 2, "steps": [50, 50, 100]}',
+        b'{"version": 2, "steps": [0, 100]}',
+        b'{"version": 2, "step_s": -1}',
+        b'{"version": 2, "max_error_rate": "x"}',
+        b'{"version": 2, "sticky_header": "a b"}',
+    ],
+)
+def test_a_bad_body_is_a_422_that_says_what_to_send(body):
+    with pytest.raises(ClientError) as refused:
+        rollouts.parse(body)
+    assert refused.value.status == 422
+
+
+def state(**kw: object) -> dict:
+    base = {"version": 2, "old": 1, "step": 0, "steps": [50, 100], "weight": 50}
+    return {**base, "max_error_rate": 0.05, "history": [], **kw}
+
+
+def counts(new: tuple[int, int], old: tuple[int, int]) -> dict:
+    def one(r: int, e: int) -> dict:
+        return {"requests": r, "errors": e, "error_rate": round(e / r, 4) if r else 0.0}
+
+    return {"new": one(*new), "old": one(*old)}
+
+
+def test_past_the_old_rate_plus_the_threshold_it_rolls_back_with_the_figures():
+    s = state()
+    assert rollouts.decide(s, counts((50, 10), (50, 1)), 10.0) == "rolled_back"
+    assert s["reason"].startswith("step 1 (50%): version 2 failed 10 of 50 requests (20.0%)")
+    assert s["history"][0]["new"]["errors"] == 10
+
+
+def test_within_the_threshold_it_goes_on_and_at_100_it_completes():
+    s = state(steps=[10, 50, 100], weight=10)
+    # 6% against 2%: 4 points more, within 0.05.
+    assert rollouts.decide(s, counts((50, 3), (50, 1)), 1.0) == "next"
+    assert (s["step"], s["weight"], s["step_started_at"]) == (1, 50, 1.0)
+    assert rollouts.decide(s, counts((0, 0), (9, 9)), 2.0) == "completed"
+    assert s["reason"] == "version 2 is current"
+    assert [h["weight"] for h in s["history"]] == [10, 50]
