@@ -567,6 +567,20 @@ def scenario_fleet(args, tmp: Path) -> dict:
     }
 
 
+def scenario_fleet_size(args, tmp: Path) -> dict:
+    # Small enough for make bench (about a minute); the fleet at full size is
+    # `python bench/fleet_sim.py --followers 50 --spaces 100000` (bench/NOTES.md).
+    result = run_script("fleet_sim.py", "--followers", "20", "--spaces", "1000", "--deploys", "10")
+    if "skipped" in result:
+        return {"a": "-", "b": "-", "goal": "-", "met": False, **result}
+    return {
+        "a": "a deploy acknowledged by 20 follower processes (no workers) and one real host"
+        " on one PostgreSQL, 1,000 spaces",
+        "b": "a single host (no database), deploys alternated with the fleet's",
+        **result,
+    }
+
+
 def scenario_preload(args, tmp: Path) -> dict:
     result = run_script("preload.py", "--samples", str(max(5, args.rounds * 4)))
     a = result["preload"]
@@ -665,6 +679,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace, Path], dict]] = {
     "metering": scenario_metering,
     "strict HTTP": scenario_strict,
     "fleet": scenario_fleet,
+    "fleet at size": scenario_fleet_size,
     "preload": scenario_preload,
     "autoscale": scenario_autoscale,
     "dependencies": scenario_dependencies,

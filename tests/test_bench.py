@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.helpers import REPO
+from tests.postgres import INSTALL_HINT, find_bindir
 
 
 def run_bench(script: str, *args: str) -> dict:
@@ -133,3 +134,28 @@ def test_gate_bench_runs_one_short_round():
     result = run_bench("gate_bench.py", "--rounds", "1", "--n", "1000")
     assert result["scenario"] == "gate" and result["rounds"] == 1
     assert result["baseline_ns_p50"] > 0 and "private_8_keys_ns_p50" in result
+
+
+@pytest.mark.gunicorn  # bench/fleet_sim.py starts a real host and a single one
+@pytest.mark.postgres
+@pytest.mark.skipif(find_bindir() is None, reason=INSTALL_HINT)
+def test_fleet_sim_runs_tiny():
+    """2 real followers and 50 spaces on a real PostgreSQL: every figure is there."""
+    result = run_bench(
+        "fleet_sim.py", "--followers", "2", "--spaces", "50", "--deploys", "2", "--behind", "30"
+    )
+    assert (result["followers"], result["spaces"], result["files"]) == (2, 50, "served")
+    assert [level["followers"] for level in result["levels"]] == [0, 1, 2]
+    for level in result["levels"]:
+        for part in ("single_host_deploy", "fleet_deploy", "acknowledged_by_all", "commit"):
+            assert level[part]["p50_ms"] > 0 and level[part]["p99_ms"] >= level[part]["p50_ms"]
+        assert level["connections"] > 0
+    # Each follower holds connections of its own: the fleet's count grows with them.
+    assert result["follower"]["connections"] > 0
+    assert result["catch_up"]["versions_behind"] == 30
+    assert result["catch_up"]["seconds_to_applied"] > 0
+    tables = result["database"]["tables"]
+    assert tables["polyserve_spaces"]["rows"] == 50 + 2  # the seeded, the two deployed
+    assert tables["polyserve_hosts"]["rows"] == 3 and tables["polyserve_versions"]["bytes"] > 0
+    assert result["ledger_per_boot"]["bytes_per_space"] > 0
+    assert isinstance(result["met"], bool)
