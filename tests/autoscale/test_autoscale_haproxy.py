@@ -121,9 +121,13 @@ def test_a_host_added_at_runtime_takes_the_place_it_has_in_the_config_file(
     for lb in (listed, added):
         for path in paths:
             httpx.get(lb.url + path)  # 404s: only where HAProxy sends each one counts
-    routes = [
-        {path: server for server, path in re.findall(ROUTED, lb.log.read_text())}
-        for lb in (listed, added)
-    ]
-    assert len(routes[0]) == len(paths) and set(routes[0].values()) == {"a", "b", "c"}
+
+    def routed(lb: HAProxy) -> dict[str, str]:
+        return {path: server for server, path in re.findall(ROUTED, lb.log.read_text())}
+
+    # HAProxy writes a request's log line after its answer: wait for the last ones.
+    for lb in (listed, added):
+        until(lambda lb=lb: len(routed(lb)) == len(paths), what="every request in the log")
+    routes = [routed(lb) for lb in (listed, added)]
+    assert set(routes[0].values()) == {"a", "b", "c"}
     assert routes[1] == routes[0]

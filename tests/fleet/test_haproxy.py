@@ -129,6 +129,13 @@ def test_each_space_is_loaded_on_one_host_and_only_a_leaving_hosts_spaces_move(
         owner, name = space.split("/")
         for path in (f"/v2/models/{space}/ready", f"/s/{owner}/{name}@1/", f"/s/{space}"):
             CLIENT.get(lb.url + path)
+    asked = {
+        path
+        for space in sample
+        for path in (f"/v2/models/{space}/ready", f"/s/{space}@1/", f"/s/{space}")
+    }
+    # HAProxy writes a request's log line after its answer: wait for the last ones.
+    until(lambda: asked <= {path for _, path in routed(lb)}, what="every request in the log")
     seen = {(server, path) for server, path in routed(lb)}
     for space in sample:
         owner, name = space.split("/")
