@@ -89,7 +89,8 @@ class Usage:
         the fleet's last change)."""
         snap = self.snapshot()
         gpus = [devices.memory(index) for index in self.gpus] if self.gpus else None
-        return prometheus.exposition(snap, fleet, await self.mapped(), gpus)
+        keys = key_counts(snap, await self._accesses())
+        return prometheus.exposition(snap, fleet, await self.mapped(), gpus, keys)
 
 
 # The fields of each space in the usage answer, in order. Flat: a nested object per
@@ -153,25 +154,29 @@ def columns(
     return FIELDS + GPU_FIELDS, [*values, snap.gpu_memory_bytes // 1024, t[:, Cell.RECYCLED]]
 
 
-def key_requests(snap: Snapshot, accesses: Mapping[str, access.Access]) -> dict[str, bytes]:
-    """Each keyed space's `"keys": {id: requests}`, encoded: a key's cell's count since
-    the key took the cell (its base). Revoked keys are gone from it."""
+def key_counts(snap: Snapshot, accesses: Mapping[str, access.Access]) -> dict[str, dict[str, int]]:
+    """Each keyed space's requests per key id: a key's cell's count since the key took
+    the cell (its base). Revoked keys are gone from it."""
     if not accesses:
         return {}
     index = {name: i for i, name in enumerate(snap.names)}
-    found: dict[str, bytes] = {}
+    found: dict[str, dict[str, int]] = {}
     for space, known in accesses.items():
         i = index.get(space)
         if i is None or not known.keys:
             continue
         row = snap.totals[i]
-        counts = {
+        found[space] = {
             str(k.get("id")): int(row[meter.KEY_REQUESTS + int(k.get("cell", 0))])
             - int(k.get("base", 0))
             for k in known.keys
         }
-        found[space] = orjson.dumps(counts)
     return found
+
+
+def key_requests(snap: Snapshot, accesses: Mapping[str, access.Access]) -> dict[str, bytes]:
+    """Each keyed space's `"keys": {id: requests}`, encoded (key_counts)."""
+    return {space: orjson.dumps(counts) for space, counts in key_counts(snap, accesses).items()}
 
 
 def usage(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -106,11 +106,13 @@ class _SnapshotCollector:
         fleet: tuple[int, int] | None,
         mapped: dict[str, int] | None,
         gpus: Sequence[Memory | None] | None,
+        keys: Mapping[str, Mapping[str, int]] | None = None,
     ) -> None:
         self.snap = snap
         self.fleet = fleet
         self.mapped = mapped
         self.gpus = gpus
+        self.keys = keys
 
     def collect(self) -> Iterator[Metric]:
         snap = self.snap
@@ -120,6 +122,16 @@ class _SnapshotCollector:
                 family.add_metric([space], value)
             yield family
         yield from self._histograms()
+        if self.keys:
+            family = CounterMetricFamily(
+                "polyserve_space_key_requests",
+                "Requests of a private space answered with each of its keys (by key id).",
+                labels=["space", "key"],
+            )
+            for space, counts in self.keys.items():
+                for key, value in counts.items():
+                    family.add_metric([space, key], value)
+            yield family
         if self.mapped is not None:
             family = GaugeMetricFamily(
                 "polyserve_space_mapped_bytes",
@@ -260,11 +272,13 @@ def exposition(
     fleet: tuple[int, int] | None = None,
     mapped: dict[str, int] | None = None,
     gpus: Sequence[Memory | None] | None = None,
+    keys: Mapping[str, Mapping[str, int]] | None = None,
 ) -> bytes:
     """The Prometheus text format for one usage snapshot; in a fleet, with this host's
     lag: `fleet` is (the last change it applied, the fleet's last change); `mapped` the
     bytes each space's files are mapped for (polyserve/usage/mapped.py); on a GPU host,
-    `gpus` each GPU's memory (None where NVML cannot read it)."""
+    `gpus` each GPU's memory (None where NVML cannot read it); `keys` each private
+    space's requests per key id."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snap, fleet, mapped, gpus))
+    registry.register(_SnapshotCollector(snap, fleet, mapped, gpus, keys))
     return generate_latest(registry)

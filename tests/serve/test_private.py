@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import httpx2 as httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import HostProcess, module_host, until
 
@@ -179,6 +180,15 @@ def test_usage_counts_requests_per_key(host: HostProcess) -> None:
     c = mint(host, space)
     assert call(host, space, c["key"]).status_code == 200
     assert usage_of(host, space)["keys"] == {b["id"]: 2, c["id"]: 1}
+    # /metrics has the same counts, one series per key.
+    assert metrics_keys(host, space) == {b["id"]: 2, c["id"]: 1}
+
+
+def metrics_keys(host: HostProcess, space: str) -> dict[str, float]:
+    """A space's requests per key on /metrics."""
+    families = text_string_to_metric_families(host.get("/metrics").text)
+    (family,) = [f for f in families if f.name == "polyserve_space_key_requests"]
+    return {s.labels["key"]: s.value for s in family.samples if s.labels["space"] == space}
 
 
 def test_access_writes_refuse_bad_input(host: HostProcess) -> None:
