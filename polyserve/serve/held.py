@@ -11,6 +11,7 @@ import anyio
 import anyio.to_thread
 
 from polyserve.serve import heap, loader
+from polyserve.state import budget
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.store import Store, Version
 from polyserve.usage.meter import Meter
@@ -157,6 +158,13 @@ class Held:
     def _prune(self, space: str, slot: int) -> None:
         with self.store.locked():
             self.store.prune(space, self.broadcast.oldest_held(slot))
+        self.trim()  # what it held may be what stood over the disk budget
+
+    def trim(self) -> None:
+        """Under a disk budget (a fleet host's), remove the cold versions' files past it.
+        On a thread: it reads the data directory."""
+        if self.store.disk_budget:
+            budget.trim(self.store, self.broadcast, self.store.disk_budget)
 
     @staticmethod
     async def wait_dropped(actives: list[Active]) -> None:

@@ -1,0 +1,160 @@
+"""A fleet host's disk budget: the files of versions no worker holds, removed least
+recently used first until the version directories fit POLYSERVE_DISK_BUDGET_MB.
+
+Only the files go (``versions/N/``); the metadata (``versions/N.json``) stays, so the
+version is still current, kept and callable, and its next load fetches the files from
+the fleet again (polyserve/fleet/fetch.py). "Used" is the last load of the version by
+any worker here, or the arrival of its files: a load sets the directory's mtime
+(`reading`).
+
+Two things keep a version's files from going while a worker may read them. A worker
+holds every version it has loaded or is loading (Broadcast.hold, polyserve/serve/held.py),
+and nothing numbered from the oldest one it holds is removed. And a load reads the
+files under a shared lock of the metadata file, taken after its hold: the removal takes
+that lock exclusively without waiting (a version being loaded or fetched is skipped)
+and reads the holds only then, so a hold written before the load's lock is always seen,
+and a load whose lock came after a removal finds the files gone and fetches them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from polyserve.state.broadcast import Broadcast
+from polyserve.state.layout import Layout
+from polyserve.state.store import Store
+
+log = logging.getLogger("polyserve")
+
+
+class Pruned(Exception):
+    """A version's files (or its metadata) went between a load's look and its lock."""
+
+
+@dataclass(frozen=True)
+class OnDisk:
+    """One version whose files are on this host's disk."""
+
+    space: str
+    number: int
+    size: int  # the bytes of its files
+    used: float  # its directory's mtime: its last load here, or its files' arrival
+
+
+def on_disk(layout: Layout) -> list[OnDisk]:
+    """Every version with its files here, least recently used first."""
+    found = []
+    for versions in layout.spaces_dir.glob("*/*/versions"):
+        space = f"{versions.parent.parent.name}/{versions.parent.name}"
+        with os.scandir(versions) as entries:
+            for entry in entries:
+                if entry.name.isdigit() and entry.is_dir(follow_symlinks=False):
+                    used = entry.stat(follow_symlinks=False).st_mtime
+                    found.append(OnDisk(space, int(entry.name), _size(entry.path), used))
+    return sorted(found, key=lambda v: (v.used, v.space, v.number))
+
+
+def trim(store: Store, broadcast: Broadcast, budget: int) -> list[OnDisk]:
+    """Remove the files of the least recently used versions no worker holds or is
+    loading, until the files here take at most `budget` bytes; returns what it removed.
+    Takes the store lock (files are moved aside under it and deleted after it)."""
+    trash: list[Path] = []
+    removed: list[OnDisk] = []
+    with store.locked():
+        found = on_disk(store)
+        total = sum(v.size for v in found)
+        if total <= budget:
+            return []
+        store.slots.refresh()  # a slot allocated by another process since this one looked
+        for version in found:
+            if total <= budget:
+                break
+            moved = _move_aside(store, broadcast, version)
+            if moved is not None:
+                trash.append(moved)
+                removed.append(version)
+                total -= version.size
+    for path in trash:
+        shutil.rmtree(path, ignore_errors=True)
+    for version in removed:
+        log.info(
+            "disk budget: removed the files of %s v%d (%d bytes); fetched again on its next load",
+            version.space, version.number, version.size,
+        )  # fmt: skip
+    if total > budget:
+        log.warning(
+            "disk budget: the files here take %d bytes, over POLYSERVE_DISK_BUDGET_MB's %d:"
+            " the rest are held by workers",
+            total, budget,
+        )  # fmt: skip
+    return removed
+
+
+def _move_aside(store: Store, broadcast: Broadcast, version: OnDisk) -> Path | None:
+    """Rename a version's files into the staging directory, unless a worker holds the
+    version, loads it or fetches it; the new path, or None when they stay."""
+    versions = store.space_dir(version.space) / "versions"
+    try:
+        meta = open(versions / f"{version.number}.json", "rb")  # noqa: SIM115 (closed below)
+    except FileNotFoundError:
+        return None  # files without metadata: Store.prune's, not the budget's
+    with meta:
+        try:
+            fcntl.flock(meta, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # a load reads them, or a fetch puts them in place, right now
+        # Read only now: a hold written before a load's lock is seen here.
+        if _held(store, broadcast, version):
+            return None
+        trash = store.staging_dir / f"pruned-{uuid.uuid4().hex}"
+        os.rename(versions / str(version.number), trash)
+    return trash
+
+
+def _held(store: Store, broadcast: Broadcast, version: OnDisk) -> bool:
+    """Whether some worker may hold the version: every worker writes only the oldest
+    number it holds of a space, so everything from the oldest held up counts as held."""
+    slot = store.slots.slot(version.space)
+    if slot is None or slot >= broadcast.table.space_slots:
+        return False  # no slot here: no worker can hold any version of it
+    oldest = broadcast.oldest_held(slot)
+    return oldest is not None and version.number >= oldest
+
+
+@contextlib.contextmanager
+def reading(layout: Layout, space: str, number: int) -> Iterator[None]:
+    """A load's read of a version's files: under a shared lock of its metadata file,
+    which the budget's removal waits for; marks the version used. Take it after the
+    version's hold. Raises Pruned when the files or the metadata are gone."""
+    versions = layout.space_dir(space) / "versions"
+    try:
+        meta = open(versions / f"{number}.json", "rb")  # noqa: SIM115 (closed below)
+    except FileNotFoundError:
+        raise Pruned(f"{space} v{number}") from None
+    with meta:
+        fcntl.flock(meta, fcntl.LOCK_SH)
+        try:
+            os.utime(versions / str(number))  # used now: the last to go
+        except FileNotFoundError:
+            raise Pruned(f"{space} v{number}") from None
+        yield
+
+
+def _size(path: str) -> int:
+    """The bytes of the regular files under a directory."""
+    total = 0
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                total += _size(entry.path)
+            elif entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
