@@ -70,6 +70,8 @@ def test_the_least_recently_used_versions_go_first_and_held_ones_never(store, ta
     for space in ("u/cold", "u/cool", "u/warm"):
         assert store.meta(space, 1) is not None  # still current: fetched on its next load
         assert store.current(space) is not None
+        assert store.kept(space) == [1]  # and kept: a rollout may pin it, a request call it
+        assert store.pin(space, 1) == [1]
     assert list(store.staging_dir.iterdir()) == []  # what was moved aside is deleted
 
     worker.hold(slot, 0)  # let go: the held versions are cold like any other now
