@@ -73,9 +73,9 @@ class Follower:
                     if self.stop.is_set():
                         break
                 self.catchup.catch_up()
-                self._trim()
                 if not self._beat():
                     break
+                self._trim()  # after the heartbeat: no deploy waits for it
                 if time.monotonic() - self._usage_at >= s.checkpoint_interval:
                     self.write_usage()
                 self._wait(listener)

@@ -4,6 +4,7 @@ being pruned, and how a version is let go (retired, drained, stopped, collected)
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from polyserve.state.broadcast import Broadcast
 from polyserve.state.store import Store, Version
 from polyserve.usage.meter import Meter
 
+log = logging.getLogger("polyserve")
 COLLECT_INTERVAL_S = 1.0
 
 
@@ -73,6 +75,7 @@ class Held:
         heap.settle()  # what a collection frees must leave the RSS, whoever allocated it
         self._collect_at: asyncio.TimerHandle | None = None
         self._collected = 0.0  # loop time of the last collection
+        self._trimming: asyncio.Task[None] | None = None  # a disk budget's pass (trim_soon)
 
     # -- the holds --------------------------------------------------------------------
 
@@ -162,9 +165,23 @@ class Held:
 
     def trim(self) -> None:
         """Under a disk budget (a fleet host's), remove the cold versions' files past it.
-        On a thread: it reads the data directory."""
+        On a thread: it lists the data directory."""
         if self.store.disk_budget:
             budget.trim(self.store, self.broadcast, self.store.disk_budget)
+
+    def trim_soon(self) -> None:
+        """After a fetch added files: a disk budget's pass, off the request's path (its
+        listing grows with the spaces this host knows); none while one is under way."""
+        if self.store.disk_budget and self._trimming is None:
+            self._trimming = asyncio.create_task(self._trim())
+
+    async def _trim(self) -> None:
+        try:
+            await anyio.to_thread.run_sync(self.trim, limiter=self.host_limiter)
+        except Exception:  # the disk's trouble: the next pass tries again
+            log.exception("the disk budget's pass failed")
+        finally:
+            self._trimming = None
 
     @staticmethod
     async def wait_dropped(actives: list[Active]) -> None:

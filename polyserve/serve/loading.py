@@ -278,7 +278,7 @@ class Loads:
         for attempt in range(2):
             if attempt or not version.dir.is_dir():
                 await self._fetch(version)
-                await anyio.to_thread.run_sync(self.held.trim, limiter=self.host_limiter)
+                self.held.trim_soon()  # the files it added may pass a disk budget
             try:
                 return await anyio.to_thread.run_sync(
                     _import_version,

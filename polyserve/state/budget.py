@@ -52,31 +52,54 @@ class OnDisk:
 def on_disk(layout: Layout) -> list[OnDisk]:
     """Every version with its files here, least recently used first."""
     found = []
-    for versions in layout.spaces_dir.glob("*/*/versions"):
-        space = f"{versions.parent.parent.name}/{versions.parent.name}"
-        with os.scandir(versions) as entries:
-            for entry in entries:
-                if entry.name.isdigit() and entry.is_dir(follow_symlinks=False):
+    for owner in _dirs(str(layout.spaces_dir)):
+        for name in _dirs(owner.path):
+            space = f"{owner.name}/{name.name}"
+            versions = os.path.join(name.path, "versions")
+            try:
+                # A directory's link count is 2 plus its subdirectories (ext4, xfs,
+                # tmpfs; a filesystem that does not count says 1): a space known here
+                # by its metadata alone costs a stat, not a listing (bench/NOTES.md).
+                if os.stat(versions).st_nlink == 2:
+                    continue
+            except FileNotFoundError:
+                continue
+            for entry in _dirs(versions):
+                if entry.name.isdigit():
                     used = entry.stat(follow_symlinks=False).st_mtime
                     found.append(OnDisk(space, int(entry.name), _size(entry.path), used))
     return sorted(found, key=lambda v: (v.used, v.space, v.number))
 
 
+def _dirs(path: str) -> list[os.DirEntry[str]]:
+    """The directories in `path` (none when it is not there)."""
+    try:
+        with os.scandir(path) as entries:
+            return [e for e in entries if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def trim(store: Store, broadcast: Broadcast, budget: int) -> list[OnDisk]:
     """Remove the files of the least recently used versions no worker holds or is
     loading, until the files here take at most `budget` bytes; returns what it removed.
-    Takes the store lock (files are moved aside under it and deleted after it)."""
+    The data directory is listed before the store lock (a long walk on a host of many
+    spaces); each version is looked at again under it, where files are moved aside, and
+    deleted after it."""
+    found = on_disk(store)
+    total = sum(v.size for v in found)
+    if total <= budget:
+        return []
     trash: list[Path] = []
     removed: list[OnDisk] = []
     with store.locked():
-        found = on_disk(store)
-        total = sum(v.size for v in found)
-        if total <= budget:
-            return []
         store.slots.refresh()  # a slot allocated by another process since this one looked
         for version in found:
             if total <= budget:
                 break
+            if not (store.space_dir(version.space) / "versions" / str(version.number)).is_dir():
+                total -= version.size  # pruned since the listing (every removal holds the lock)
+                continue
             moved = _move_aside(store, broadcast, version)
             if moved is not None:
                 trash.append(moved)
