@@ -10,10 +10,12 @@ any worker here, or the arrival of its files: a load sets the directory's mtime
 Two things keep a version's files from going while a worker may read them. A worker
 holds every version it has loaded or is loading (Broadcast.hold, polyserve/serve/held.py),
 and nothing numbered from the oldest one it holds is removed. And a load reads the
-files under a shared lock of the metadata file, taken after its hold: the removal takes
-that lock exclusively without waiting (a version being loaded or fetched is skipped)
-and reads the holds only then, so a hold written before the load's lock is always seen,
-and a load whose lock came after a removal finds the files gone and fetches them.
+files under a shared lock of their directory, taken after its hold: the removal takes
+that lock exclusively without waiting (a version being loaded is skipped) and reads
+the holds only then, so a hold written before the load's lock is always seen, and a
+load whose lock came after a removal finds the files gone and fetches them. The
+directory rather than the metadata file: a rollback replaces that file, and its lock
+with it.
 """
 
 from __future__ import annotations
@@ -123,22 +125,23 @@ def trim(store: Store, broadcast: Broadcast, budget: int) -> list[OnDisk]:
 
 def _move_aside(store: Store, broadcast: Broadcast, version: OnDisk) -> Path | None:
     """Rename a version's files into the staging directory, unless a worker holds the
-    version, loads it or fetches it; the new path, or None when they stay."""
+    version or reads it right now; the new path, or None when they stay."""
     versions = store.space_dir(version.space) / "versions"
-    try:
-        meta = open(versions / f"{version.number}.json", "rb")  # noqa: SIM115 (closed below)
-    except FileNotFoundError:
+    if not (versions / f"{version.number}.json").exists():
         return None  # files without metadata: Store.prune's, not the budget's
-    with meta:
+    files = os.open(versions / str(version.number), os.O_RDONLY | os.O_DIRECTORY)
+    try:
         try:
-            fcntl.flock(meta, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(files, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return None  # a load reads them, or a fetch puts them in place, right now
+            return None  # a load reads them right now
         # Read only now: a hold written before a load's lock is seen here.
         if _held(store, broadcast, version):
             return None
         trash = store.staging_dir / f"pruned-{uuid.uuid4().hex}"
         os.rename(versions / str(version.number), trash)
+    finally:
+        os.close(files)  # and its lock: a load waiting for it finds the files gone
     return trash
 
 
@@ -154,21 +157,26 @@ def _held(store: Store, broadcast: Broadcast, version: OnDisk) -> bool:
 
 @contextlib.contextmanager
 def reading(layout: Layout, space: str, number: int) -> Iterator[None]:
-    """A load's read of a version's files: under a shared lock of its metadata file,
-    which the budget's removal waits for; marks the version used. Take it after the
-    version's hold. Raises Pruned when the files or the metadata are gone."""
-    versions = layout.space_dir(space) / "versions"
+    """A load's read of a version's files: under a shared lock of their directory, which
+    the budget's removal takes exclusively; marks the version used. Take it after the
+    version's hold. Raises Pruned when the files are gone, or went while it waited."""
+    path = layout.space_dir(space) / "versions" / str(number)
     try:
-        meta = open(versions / f"{number}.json", "rb")  # noqa: SIM115 (closed below)
+        files = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:
         raise Pruned(f"{space} v{number}") from None
-    with meta:
-        fcntl.flock(meta, fcntl.LOCK_SH)
+    try:
+        fcntl.flock(files, fcntl.LOCK_SH)
         try:
-            os.utime(versions / str(number))  # used now: the last to go
+            here = os.stat(path).st_ino == os.fstat(files).st_ino
         except FileNotFoundError:
-            raise Pruned(f"{space} v{number}") from None
+            here = False
+        if not here:  # moved aside while this waited for the lock
+            raise Pruned(f"{space} v{number}")
+        os.utime(files)  # used now: the last to go
         yield
+    finally:
+        os.close(files)
 
 
 def _size(path: str) -> int:
