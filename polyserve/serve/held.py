@@ -4,7 +4,6 @@ being pruned, and how a version is let go (retired, drained, stopped, collected)
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,7 +16,6 @@ from polyserve.state.broadcast import Broadcast
 from polyserve.state.store import Store, Version
 from polyserve.usage.meter import Meter
 
-log = logging.getLogger("polyserve")
 COLLECT_INTERVAL_S = 1.0
 
 
@@ -178,8 +176,6 @@ class Held:
     async def _trim(self) -> None:
         try:
             await anyio.to_thread.run_sync(self.trim, limiter=self.host_limiter)
-        except Exception:  # the disk's trouble: the next pass tries again
-            log.exception("the disk budget's pass failed")
         finally:
             self._trimming = None
 

@@ -38,7 +38,7 @@ log = logging.getLogger("polyserve")
 
 
 class Pruned(Exception):
-    """A version's files (or its metadata) went between a load's look and its lock."""
+    """A version's files went between a load's look and its read lock."""
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,18 @@ def _dirs(path: str) -> list[os.DirEntry[str]]:
 def trim(store: Store, broadcast: Broadcast, budget: int) -> list[OnDisk]:
     """Remove the files of the least recently used versions no worker holds or is
     loading, until the files here take at most `budget` bytes; returns what it removed.
-    The data directory is listed before the store lock (a long walk on a host of many
-    spaces); each version is looked at again under it, where files are moved aside, and
-    deleted after it."""
+    The disk's trouble is logged, not raised: the next pass tries again."""
+    try:
+        return _trim(store, broadcast, budget)
+    except OSError:
+        log.exception("disk budget: the pass failed")
+        return []
+
+
+def _trim(store: Store, broadcast: Broadcast, budget: int) -> list[OnDisk]:
+    """trim's work. The data directory is listed before the store lock (a long walk on a
+    host of many spaces); each version is looked at again under it, where its files are
+    moved aside, and deleted after it."""
     found = on_disk(store)
     total = sum(v.size for v in found)
     if total <= budget:
