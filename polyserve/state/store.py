@@ -70,10 +70,14 @@ class Store(Layout):
         data_dir: str | os.PathLike[str],
         max_spaces: int,
         keep_versions: int = DEFAULT_KEEP_VERSIONS,
+        disk_budget: int = 0,
     ) -> None:
         super().__init__(data_dir)
         self.max_spaces = max_spaces
         self.keep_versions = keep_versions
+        # Bytes the version files may take, 0: no limit (a fleet host's only, whose files
+        # the fleet keeps too: polyserve/state/budget.py).
+        self.disk_budget = disk_budget
         for d in (self.spaces_dir, self.staging_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.slots = SlotLog(self.root / "slots.log", max_spaces)
