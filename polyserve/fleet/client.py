@@ -21,7 +21,10 @@ from polyserve.settings import Settings
 from polyserve.state.store import Store, Version
 
 _T = TypeVar("_T")
-WAIT_POLL_S = 0.02  # how often a waiting deploy reads the hosts' acknowledgements
+# How often a waiting deploy reads the hosts' acknowledgements: soon after the commit
+# (a host applies a change in milliseconds), then less often, up to the longest wait.
+WAIT_POLL_FIRST_S = 0.002
+WAIT_POLL_S = 0.02
 # Threads a worker gives the fleet's database calls: their own, so a database that stops
 # answering ties up none of the host's (imports, stagings) and no space waits on it.
 DB_THREADS = 4
@@ -54,6 +57,7 @@ class FleetClient:
         twice)."""
         s = self.settings
         deadline = time.monotonic() + s.deploy_wait_s
+        poll = WAIT_POLL_FIRST_S
         while True:
             try:
                 hosts = await self.run(self.db.hosts, s.fleet_live_s)
@@ -72,7 +76,8 @@ class FleetClient:
                     break
             if time.monotonic() > deadline:
                 break
-            await asyncio.sleep(WAIT_POLL_S)
+            await asyncio.sleep(poll)
+            poll = min(poll * 2, WAIT_POLL_S)
         if hosts is None:
             return 202, {"unknown": True, "error": HOSTS_UNKNOWN}
         done = [h for h, applied in live.items() if applied >= change.id and h not in skipped]
