@@ -47,6 +47,16 @@ class RolloutRows(Connection):
             ).fetchone()
         return dict(row[0]) if row else None
 
+    def rollouts_live(self) -> dict[str, int]:
+        """Every running or paused rollout: its new version, by space."""
+        with self.session() as conn:
+            rows = conn.execute(
+                "SELECT space, (state->>'version')::int FROM polyserve_rollouts"
+                " WHERE state->>'status' = ANY(%s)",
+                (list(rollouts.LIVE),),
+            ).fetchall()
+        return {str(space): int(version) for space, version in rows}
+
     def rollout_start(self, space: str, asked: dict[str, Any]) -> tuple[Change, dict[str, Any]]:
         """Commit a new rollout (rollouts.parse's `asked`); ClientError 404 (not deployed,
         or the fleet stores no such version) or 409 (one is live, or it is current)."""
@@ -231,6 +241,19 @@ def apply(catchup: CatchUp, space: str, version: int | None) -> None:
         rollouts.write(store.root, state)
         if slot is not None:
             table.rollouts[slot] = rollouts.word_of(state) if live else 0
+
+
+def take(catchup: CatchUp) -> None:
+    """After this host took the fleet's pointers (it joined, or was far behind): every
+    live rollout's state, as its change would have brought it, so this host splits by
+    the fleet's weights from now on instead of at the rollout's next change; and the
+    ended state of one that is live here only (it ended while this host was away)."""
+    fleet = catchup.db.rollouts_live()
+    for space in fleet.keys() | rollouts.live(catchup.store.root).keys():
+        try:
+            apply(catchup, space, fleet.get(space))
+        except ClientError as exc:  # its next change (each step has one) tries again
+            log.warning("%s: its rollout is not applied here yet: %s", space, exc.error)
 
 
 def tick(catchup: CatchUp, host: str) -> None:

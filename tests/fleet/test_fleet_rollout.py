@@ -10,7 +10,8 @@ import psycopg
 import pytest
 
 # _client: test_fleet's module-wide HTTP client, which its helpers use (an autouse fixture)
-from tests.fleet.test_fleet import _client, start_fleet  # noqa: F401
+from polyserve.fleet.catchup import EAGER_LIMIT
+from tests.fleet.test_fleet import FAST, _client, fleet, start_fleet, wait_live  # noqa: F401
 from tests.helpers import HostProcess, until
 from tests.hosts.test_rollout import source
 
@@ -100,3 +101,29 @@ def test_a_good_version_completes_fleet_wide_and_becomes_current(host_factory, f
         return all(h.get("/s/fr/good/").json() == {"v": "two"} for h in (a, b))
 
     until(current_everywhere, what="version 2 current on both hosts")
+
+
+@pytest.mark.parametrize("history", [0, EAGER_LIMIT + 1])
+def test_a_host_that_joins_mid_rollout_splits_by_the_fleets_weights(
+    host_factory, fleet_db, history
+):
+    """B joins while a rollout runs at 50%: replaying the few changes of the fleet, or
+    (with a longer history) taking its pointers, it applies the rollout's state."""
+    (a,) = start_fleet(host_factory, fleet_db, "a")
+    for i in range(history):  # other spaces' deploys: B takes the fleet's pointers
+        deploy(a, f"fr/other{i}", source("one"))
+    deploy(a, "fr/join", source("one"))
+    deploy(a, "fr/join", source("two"), current=False)
+    r = post(a, "fr/join/rollout", version=2, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    b = host_factory("b", workers=1, POLYSERVE_DATABASE_URL=fleet_db, POLYSERVE_HOST_ID="b", **FAST)
+    wait_live(a, {"a", "b"})
+    last = fleet(b)["last_change"]
+    until(
+        lambda: {h["id"]: h["applied"] for h in fleet(b)["hosts"]}["b"] == last,
+        what="B to apply the fleet's last change",
+    )
+    assert state(b, "fr/join")["weights"] == {"1": 50, "2": 50}
+    # 100 requests at 50%: one version alone would be a chance of 1e-30.
+    seen = answers(b, "fr/join", 100)
+    assert seen["two"] > 0 and seen["one"] > 0, seen
