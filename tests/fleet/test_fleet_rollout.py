@@ -127,3 +127,22 @@ def test_a_host_that_joins_mid_rollout_splits_by_the_fleets_weights(
     # 100 requests at 50%: one version alone would be a chance of 1e-30.
     seen = answers(b, "fr/join", 100)
     assert seen["two"] > 0 and seen["one"] > 0, seen
+
+
+def test_the_step_under_way_shows_the_fleets_counts_on_every_host(host_factory, fleet_db):
+    a, b = start_fleet(host_factory, fleet_db, "ab")
+    deploy(a, "fr/sum", source("one"))
+    deploy(a, "fr/sum", source("two"), current=False)
+    r = post(a, "fr/sum/rollout", version=2, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    sent = answers(a, "fr/sum", 30)
+    for version, n in answers(b, "fr/sum", 50).items():
+        sent[version] += n
+    wanted = {"1": sent["one"], "2": sent["two"]}
+
+    def summed(host: HostProcess) -> dict[str, int]:
+        versions = state(host, "fr/sum")["versions"]
+        return {v: counts["requests"] for v, counts in versions.items()}
+
+    for host in (a, b):  # each host's own counts, and the other's last report
+        until(lambda h=host: summed(h) == wanted, what=f"{host.url} to show {wanted}")
