@@ -5,6 +5,9 @@ counts) end with it current everywhere."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import httpx2 as httpx
 import psycopg
 import pytest
@@ -12,7 +15,7 @@ import pytest
 # _client: test_fleet's module-wide HTTP client, which its helpers use (an autouse fixture)
 from polyserve.fleet.catchup import EAGER_LIMIT
 from tests.fleet.test_fleet import FAST, _client, fleet, start_fleet, wait_live  # noqa: F401
-from tests.helpers import HostProcess, until
+from tests.helpers import HostProcess, alive, until
 from tests.hosts.test_rollout import source
 
 pytestmark = pytest.mark.postgres
@@ -146,3 +149,83 @@ def test_the_step_under_way_shows_the_fleets_counts_on_every_host(host_factory, 
 
     for host in (a, b):  # each host's own counts, and the other's last report
         until(lambda h=host: summed(h) == wanted, what=f"{host.url} to show {wanted}")
+
+
+def test_a_rollout_goes_on_after_a_host_is_killed_and_started_again(host_factory, fleet_db):
+    """B's gunicorn master is killed mid-step (SIGKILL by PID) and started again: B
+    splits by the rollout's weights again, and the step's counts keep what B's first
+    boot reported beside what its second one counts."""
+    a, b = start_fleet(host_factory, fleet_db, "ab")
+    deploy(a, "fr/kill", source("one"))
+    deploy(a, "fr/kill", source("two"), current=False)
+    r = post(a, "fr/kill/rollout", version=2, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    before = answers(b, "fr/kill", 20)
+
+    def requests(host: HostProcess) -> int:
+        return sum(v["requests"] for v in state(host, "fr/kill")["versions"].values())
+
+    until(lambda: requests(a) == 20, what="B's report of 20 requests to reach A's view")
+    workers, follower = b.worker_pids(), b.follower_pid()
+    os.kill(b.proc.pid, signal.SIGKILL)
+    until(lambda: b.proc.poll() is not None, what="B's master to die")
+    until(lambda: not any(alive(p) for p in {*workers, follower}), what="B's processes to exit")
+    b.start()
+    wait_live(a, {"a", "b"})
+    found = state(b, "fr/kill")
+    assert found["status"] == "running" and found["weights"] == {"1": 50, "2": 50}, found
+    # 100 requests at 50%: one version alone would be a chance of 1e-30.
+    after = answers(b, "fr/kill", 100)
+    assert after["one"] > 0 and after["two"] > 0, after
+    wanted = {
+        "1": before["one"] + after["one"],
+        "2": before["two"] + after["two"],
+    }
+    for host in (a, b):
+        until(
+            lambda h=host: (
+                {v: c["requests"] for v, c in state(h, "fr/kill")["versions"].items()} == wanted
+            ),
+            what=f"{host.url} to show both boots' counts {wanted}",
+        )
+
+
+def test_a_failing_version_is_rolled_back_fleet_wide_by_itself(host_factory, fleet_db):
+    """A new version that fails 20% of its requests, called through both hosts, is rolled
+    back by the fleet's judgement; every host then serves the old version alone."""
+    a, b = start_fleet(host_factory, fleet_db, "ab")
+    deploy(a, "fr/bad", source("one"))
+    deploy(a, "fr/bad", source("two", fail_every=5), current=False)
+    r = post(a, "fr/bad/rollout", version=2, steps=[50, 100], step_s=2, max_error_rate=0.05)
+    assert r.status_code == 200, r.text
+    failed = {"a": 0, "b": 0}
+    clients = {n: httpx.Client(base_url=h.url, timeout=30) for n, h in (("a", a), ("b", b))}
+    try:
+
+        def rolled_back() -> bool:
+            for name, client in clients.items():
+                for _ in range(5):
+                    failed[name] += client.get("/s/fr/bad/").status_code == 500
+            return state(a, "fr/bad")["status"] != "running"
+
+        until(rolled_back, what="the rollout to end")
+    finally:
+        for client in clients.values():
+            client.close()
+    assert failed["a"] > 0 and failed["b"] > 0, failed  # both hosts' requests failed
+    for host in (a, b):
+        found = state(host, "fr/bad")
+        assert found["status"] == "rolled_back", found
+        assert "version 2 failed" in found["reason"], found
+        assert found["weights"] == {"1": 100, "2": 0}
+        (step,) = found["history"]
+        assert step["old"]["errors"] == 0 and step["new"]["errors"] >= 1, step
+        assert answers(host, "fr/bad", 40) == {"one": 40, "two": 0}
+    # The step was judged from both hosts' reports (each of them saw failures), which
+    # hold no more than the failures the clients saw.
+    with psycopg.connect(fleet_db) as conn:
+        rows = dict(conn.execute("SELECT host, counts FROM polyserve_rollout_counts").fetchall())
+    assert {h.split("@")[0] for h in rows} == {"a", "b"}, rows
+    assert all(c["new"]["errors"] > 0 for c in rows.values()), rows
+    reported = sum(c["new"]["errors"] for c in rows.values())
+    assert step["new"]["errors"] <= reported <= failed["a"] + failed["b"], (step, rows, failed)
