@@ -325,7 +325,13 @@ class Driver:
         due = due and self.changes is not None
         restarted = state.get("boot") != self.table.header(H_STARTED)
         if slot is not None and not (due or restarted):
-            self.table.rollouts[slot] = word_of(state)
+            if self.table.rollouts[slot] != word_of(state):  # a slot new here, say
+                # Under the lock, from the file again: an abort since this tick read it
+                # clears the word, and a word written from the older read would outlive it.
+                with self.forking, self.store.locked():
+                    found = read(self.store.root, space)
+                    if found is not None and found["status"] in LIVE:
+                        self.table.rollouts[slot] = word_of(found)
             return
         announce = False
         with self.forking, self.store.locked():
