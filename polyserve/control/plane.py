@@ -214,13 +214,13 @@ class ControlPlane:
         fleet = host.deploys.fleet
         state = await self._thread(partial(rollouts.read, host.store.root, space))
         others = None
-        live = fleet is not None and state is not None and state["status"] in rollouts.LIVE
+        live = state is not None and state["status"] in rollouts.LIVE
         if fleet is not None and state is not None and live:
             others = await fleet.rollout_others(space, state, host.table)
         body = await self._thread(
             partial(rollouts.view, host.store, host.table, state, space, others)
         )
-        if live and others is None:
+        if fleet is not None and live and others is None:
             body["warning"] = (
                 "the fleet store is unreachable: the step under way counts this host's"
                 " requests only"

@@ -191,8 +191,6 @@ class Store(Layout):
                 event = "deploy"
             symlink_atomic(f"versions/{number}", sdir / "current")
             self.history.record(space, event, number, previous)
-            if self.waiting(space) == number:  # made current: the history ranks it now
-                (sdir / "waiting").unlink(missing_ok=True)
         return slot
 
     def keep(self, space: str, number: int, meta: dict[str, object]) -> int:
@@ -315,7 +313,10 @@ class Store(Layout):
             ranked = self.history.ranked(space, {number for number, _ in found})
             keep.update(ranked[: self.keep_versions])
             keep.update(self.pins(space))
-            keep.add(self.waiting(space))
+            waiting = self.waiting(space)
+            if waiting == current:  # made current (every move prunes): the history ranks it
+                (sdir / "waiting").unlink(missing_ok=True)
+            keep.add(waiting)
         for number, path in found:
             if number in keep or (oldest_held is not None and number >= oldest_held):
                 continue
