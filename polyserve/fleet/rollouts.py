@@ -92,6 +92,8 @@ class RolloutRows(Connection):
                     space=space,
                 )
             state = rollouts.started(space, asked, current)
+            # The earlier rollouts' reports: their figures are in their states' history.
+            conn.execute("DELETE FROM polyserve_rollout_counts WHERE space = %s", (space,))
             return _commit(conn, space, state), state
 
     def rollout_act(self, space: str, action: str) -> tuple[Change, dict[str, Any]]:

@@ -81,6 +81,12 @@ def test_a_rollout_runs_on_every_host_and_an_abort_through_one_reaches_the_other
     assert r.json()["status"] == "aborted"
     assert state(a, "fr/split")["status"] == "aborted"
     assert answers(a, "fr/split", 40) == {"one": 40, "two": 0}
+    # A new rollout of the space starts with no reports: the aborted one's are gone.
+    r = post(a, "fr/split/rollout", version=2, steps=[30, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    with psycopg.connect(fleet_db) as conn:
+        started = {s for (s,) in conn.execute("SELECT started_at FROM polyserve_rollout_counts")}
+    assert started <= {r.json()["started_at"]}, started
 
 
 def test_a_good_version_completes_fleet_wide_and_becomes_current(host_factory, fleet_db):
