@@ -17,6 +17,7 @@ from polyserve.fleet.catchup import EAGER_LIMIT
 from tests.fleet.test_fleet import FAST, _client, fleet, start_fleet, wait_live  # noqa: F401
 from tests.helpers import HostProcess, alive, until
 from tests.hosts.test_rollout import source
+from tests.postgres import PostgresServer
 
 pytestmark = pytest.mark.postgres
 
@@ -235,3 +236,28 @@ def test_a_failing_version_is_rolled_back_fleet_wide_by_itself(host_factory, fle
     assert all(c["new"]["errors"] > 0 for c in rows.values()), rows
     reported = sum(c["new"]["errors"] for c in rows.values())
     assert step["new"]["errors"] <= reported <= failed["a"] + failed["b"], (step, rows, failed)
+
+
+def test_a_rollouts_view_without_the_database_is_this_hosts_and_says_so(
+    own_postgres: PostgresServer, host_factory
+):
+    url = own_postgres.create_database()
+    a, b = start_fleet(host_factory, url, "ab")
+    deploy(a, "fr/down", source("one"))
+    deploy(a, "fr/down", source("two"), current=False)
+    r = post(a, "fr/down/rollout", version=2, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    here = answers(a, "fr/down", 10)  # A's own (A fetches v1's files at the first)
+    answers(b, "fr/down", 10)  # B's: in A's view while the database answers
+    until(
+        lambda: sum(v["requests"] for v in state(a, "fr/down")["versions"].values()) == 20,
+        what="B's report to reach A's view",
+    )
+    assert "warning" not in state(a, "fr/down")
+    own_postgres.stop()
+    for version, n in answers(a, "fr/down", 20).items():
+        here[version] += n
+    found = state(a, "fr/down")
+    assert "unreachable" in found["warning"], found
+    requests = {v: c["requests"] for v, c in found["versions"].items()}
+    assert requests == {"1": here["one"], "2": here["two"]}, (requests, here)
