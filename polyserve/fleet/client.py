@@ -17,7 +17,9 @@ from polyserve.fleet.connection import Unreachable, threaded
 from polyserve.fleet.db import FleetDB
 from polyserve.fleet.fetch import fetch_version
 from polyserve.fleet.ledger import USAGE_COLUMNS
+from polyserve.fleet.rollouts import reporter
 from polyserve.settings import Settings
+from polyserve.state.shm import Table
 from polyserve.state.store import Store, Version
 
 _T = TypeVar("_T")
@@ -151,6 +153,17 @@ class FleetClient:
         """(The last change this host applied, the fleet's last change)."""
         applied = read_applied(self.store.root / APPLIED)
         return applied, await self.run(self.db.last_change)
+
+    async def rollout_others(
+        self, space: str, state: dict[str, Any], table: Table
+    ) -> dict[str, Any] | None:
+        """The other hosts' counts of a live rollout's step under way, as they last
+        reported them (None: the fleet store is unreachable)."""
+        try:
+            me = reporter(self.settings.host_id, table)
+            return await self.run(self.db.rollout_others, space, state, me)
+        except Unreachable:
+            return None
 
     async def view(self) -> dict[str, Any]:
         """The fleet's hosts, live or not, and what each has applied."""

@@ -137,6 +137,12 @@ class Layout:
             return []
         return sorted(int(n) for n in found)
 
+    def waiting(self, space: str) -> int | None:
+        """The version deployed with current=false that waits for its rollout (Store.keep):
+        pruning keeps it until unpinned, made current, or replaced by a later one."""
+        number = read_int(self.space_dir(space) / "waiting")
+        return number or None
+
     def versions(self, space: str) -> list[dict[str, object]]:
         """Each kept version's metadata, oldest first, with `current` marked."""
         current = current_number(self.space_dir(space))
