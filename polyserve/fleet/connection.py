@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import os
+import select
 import socket
 import threading
 import time
@@ -158,24 +161,23 @@ def connect(
 class _Deadline:
     """Breaks the socket of the connection it watches once `end` (monotonic) passes,
     unless the call it bounds ended first: a blocked read then fails at once, as if
-    the server had closed the connection. Its timer takes the lock before it touches
-    the connection, and the caller stops watching before it closes one, so a file
-    descriptor the kernel reused is never touched."""
+    the server had closed the connection. The watchdog takes the deadline's lock before
+    it touches the connection, and the caller stops watching before it closes one, so a
+    file descriptor the kernel reused is never touched."""
 
     def __init__(self, end: float) -> None:
         self._conn: psycopg.Connection | None = None
         self._lock = threading.Lock()
-        self._timer = threading.Timer(max(end - time.monotonic(), 0.0), self._expire)
-        self._timer.daemon = True
-        self._timer.start()
+        self.done = False
+        _WATCHDOG.arm(end, self)
 
     def watch(self, conn: psycopg.Connection | None) -> None:
         with self._lock:
             self._conn = conn
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
         with self._lock:
-            if self._conn is None:
+            if self._conn is None or self.done:
                 return
             try:
                 fd = os.dup(self._conn.fileno())
@@ -189,14 +191,73 @@ class _Deadline:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._timer.cancel()
-        self.watch(None)
+        with self._lock:
+            self.done, self._conn = True, None
+
+
+class _Watchdog:
+    """One thread per process that expires the deadlines of every call in turn.
+
+    A thread per call (a threading.Timer) cost each call more than its statement did;
+    the calls of one process share this one, which sleeps until the earliest deadline.
+    A call that ended is dropped when its deadline comes up (`done`), not searched for.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, _Deadline]] = []
+        self._ready = threading.Condition()
+        self._count = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, end: float, deadline: _Deadline) -> None:
+        with self._ready:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="polyserve-fleet-deadlines", daemon=True
+                )
+                self._thread.start()
+            earliest = self._heap[0][0] if self._heap else None
+            heapq.heappush(self._heap, (end, next(self._count), deadline))
+            if earliest is None or end < earliest:
+                self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._ready.wait(wait)
+                _, _, deadline = heapq.heappop(self._heap)
+            if not deadline.done:
+                deadline.expire()
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _forked() -> None:
+    """A forked child (a gunicorn worker) has no watchdog thread and may have copied its
+    lock held: it starts afresh, with none of its parent's calls."""
+    global _WATCHDOG
+    _WATCHDOG = _Watchdog()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _alive(conn: psycopg.Connection) -> bool:
     """Whether a connection kept from an earlier call still works. A connection the
-    server dropped looks open until it is used: one round trip tells."""
+    server closed (a restart) looks open until it is used, but its socket is readable:
+    between calls the server sends nothing unasked but its goodbye. Only then does a
+    round trip tell; a readable socket is rare, a round trip on every call is not."""
     if conn.closed:
+        return False
+    try:
+        poll = select.poll()  # not select(): a busy host's descriptors pass 1024
+        poll.register(conn.fileno(), select.POLLIN)
+        if not poll.poll(0):
+            return True
+    except (OSError, psycopg.Error):
         return False
     try:
         conn.execute("SELECT 1")
