@@ -37,6 +37,17 @@ def local_requests(host: HostProcess) -> dict[str, int]:
     return {space: fields["requests"] for space, fields in spaces.items()}
 
 
+def ledger_reaches(host: HostProcess, answered: dict[str, int]) -> None:
+    """Wait until the fleet's usage (through `host`) has exactly `answered` requests for
+    each of those spaces."""
+
+    def ledger() -> dict[str, int]:
+        found = fleet_usage(host)["spaces"]
+        return {space: found.get(space, {}).get("requests", 0) for space in answered}
+
+    until(lambda: ledger() == answered, what=f"the fleet's ledger to reach {answered}")
+
+
 def test_a_host_holds_slots_only_for_the_spaces_it_has_served(host_factory, fleet_db):
     """30 spaces deployed through A: B takes no slot for any of them, serves a space it
     never served on its first request (taking its slot then), and after a new deploy of
@@ -110,17 +121,12 @@ def test_a_host_with_fewer_slots_than_the_fleet_has_spaces_serves_them_all_in_tu
         assert version(a, space) == 1
         answered[space] += 1
 
-    def ledger() -> dict[str, int]:
-        found = fleet_usage(a)["spaces"]
-        return {space: found.get(space, {}).get("requests", 0) for space in spaces}
-
-    until(lambda: ledger() == answered, what=f"the fleet's ledger to reach {answered}")
+    ledger_reaches(a, answered)
 
 
 def take_a_slot(host: HostProcess, space: str) -> int:
-    """The version `space` answers once the release just made has reached the host's
-    worker (until then its first request may find every slot held: a 503, counted
-    nowhere)."""
+    """The version `space` answers once a space of the host's has been let go (until
+    then its first request may find every slot held: a 503, counted nowhere)."""
     found: list[int] = []
 
     def served() -> bool:
@@ -134,3 +140,28 @@ def take_a_slot(host: HostProcess, space: str) -> int:
 
     until(served, what=f"{space} to take a released space's slot")
     return found[0]
+
+
+def test_spaces_released_when_idle_hand_their_slots_to_the_next_ones(host_factory, fleet_db):
+    """A fleet host with POLYSERVE_MAX_SPACES=2 and POLYSERVE_IDLE_TTL=0.5, 5 spaces
+    called one after another, twice round: each gets a slot once an earlier one was
+    released for being idle (until then a 503, counted nowhere), and the usage by name,
+    on the host and in the fleet's ledger, counts exactly the requests answered."""
+    (b,) = start_fleet(
+        host_factory, fleet_db, "b", POLYSERVE_MAX_SPACES="2", POLYSERVE_IDLE_TTL="0.5"
+    )
+    spaces = [f"lee/i{i}" for i in range(5)]
+    for space in spaces:
+        deployed(b, space, 1, {"applied": 1, "live": 1})
+    answered = dict.fromkeys(spaces, 0)
+    for turn in range(2):
+        for i, space in enumerate(spaces):
+            assert take_a_slot(b, space) == 1
+            n = 2 + i + turn
+            for _ in range(n - 1):
+                assert version(b, space) == 1
+            answered[space] += n
+    assert local_requests(b) == answered
+    assert len(slot_owners(b)) == 2
+
+    ledger_reaches(b, answered)
