@@ -80,11 +80,13 @@ class Body:
     headers: dict[str, str]
     script: Path
 
-    def check(self, url: str) -> None:
-        """One request first: the scenario measures answers, not refusals."""
+    def check(self, url: str) -> bytes:
+        """One request first: the scenario measures answers, not refusals. Returns the
+        answer's body."""
         answer = httpx2.post(url, content=self.data, headers=self.headers, timeout=30)
         if answer.status_code != 200:
             raise RuntimeError(f"{url}: {answer.status_code} {answer.text[:300]}")
+        return answer.content
 
 
 def bodies(tmp: Path) -> dict[str, Body]:

@@ -218,6 +218,24 @@ def scenario_inference(args, tmp: Path) -> dict:
             vs_mlserver = ab_rounds(
                 a.url + v2, mlserver_url, args, scripts=(body["v2_json"].script,) * 2
             )
+            # The ceilings: what this stack does with no model server's work, and with the
+            # least of it; polyserve's ratio can be no higher than theirs.
+            answer = tmp / "v2_json.answer"
+            answer.write_bytes(body["v2_json"].check(a.url + v2))
+            ceiling = {}
+            for name, app, env in (
+                ("answer", "bare_answer:app", {"BARE_ANSWER": str(answer)}),
+                ("model", "bare_model:app", {"BARE_MODEL": str(inference.MODEL)}),
+            ):
+                with bare_gunicorn(app, 1, **env) as bare:
+                    body["v2_json"].check(bare.url)
+                    ceiling[name] = ab_rounds(
+                        bare.url,
+                        mlserver_url,
+                        args,
+                        connections=(32,),
+                        scripts=(body["v2_json"].script,) * 2,
+                    )
         vs_own = ab_rounds(
             a.url + v2,
             own,
@@ -244,10 +262,13 @@ def scenario_inference(args, tmp: Path) -> dict:
         "b": f"{inference.MLSERVER} with a custom ONNX runtime class, one process; then"
         " the example's hand-written JSON POST (same host); then V2 JSON against V2 binary",
         "goal": "vs MLServer >= 10x throughput (-c 32), p50 <= 0.1x (-c 1); >= 1.5x the"
-        " example's JSON POST; binary >= 1.2x JSON; memory <= the Python space's",
+        " example's JSON POST; binary >= 1.2x JSON; memory <= the Python space's (ceilings:"
+        " an ASGI app answering fixed bytes, and a model server that checks nothing, on"
+        " the same stack, against MLServer)",
         "met": all(goals.values()),
         "goals": goals,
         **vs_mlserver,
+        "ceiling": ceiling,
         "vs_own_json": vs_own,
         "binary_vs_json": binary,
         "memory": memory,

@@ -203,3 +203,17 @@ def test_the_master_withholds_the_fleets_url_from_its_environment(monkeypatch, t
 def test_the_scrubbed_environment_has_no_database_url_variables():
     given = {"POLYSERVE_DATABASE_URL": URL, "POLYSERVE_DATABASE_URL_FILE": "/f", "HOME": "/h"}
     assert settings.scrubbed_environ(given) == {"HOME": "/h"}
+
+
+def test_a_disk_budget_is_a_fleet_hosts_only():
+    """POLYSERVE_DISK_BUDGET_MB removes files the fleet keeps a copy of: refused on a
+    single host and beside POLYSERVE_FLEET_FILES=all, each with what to change."""
+    assert settings.load({}).disk_budget_mb == 0
+    fleet = {"POLYSERVE_DATABASE_URL": URL, "POLYSERVE_DISK_BUDGET_MB": "64"}
+    assert settings.load(fleet).disk_budget_mb == 64
+    with pytest.raises(ValueError, match="POLYSERVE_DISK_BUDGET_MB is for a fleet host"):
+        settings.load({"POLYSERVE_DISK_BUDGET_MB": "64"})
+    with pytest.raises(ValueError, match="keep one of them"):
+        settings.load({**fleet, "POLYSERVE_FLEET_FILES": "all"})
+    with pytest.raises(ValueError, match="POLYSERVE_DISK_BUDGET_MB="):
+        settings.load({**fleet, "POLYSERVE_DISK_BUDGET_MB": "-1"})

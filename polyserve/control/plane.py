@@ -169,8 +169,7 @@ class ControlPlane:
         host = self.running
         if request.method == "GET":
             space = f"{request.path_params['owner']}/{request.path_params['name']}"
-            read = partial(rollouts.view, host.store, host.table, space=space)
-            return JSONResponse(await self._thread(read))
+            return JSONResponse(await self._rollout_view(space))
         space = self._space_to_write(request)
         body = await _small_body(request, rollouts.EXPECTED)
         # A space that is not deployed is a 404 whatever the body: its steps are judged
@@ -205,8 +204,28 @@ class ControlPlane:
         host = self.running
         assert host.deploys.fleet is not None
         status, hosts = await host.deploys.fleet.applied(change)
-        body = await self._thread(partial(rollouts.view, host.store, host.table, space=space))
+        body = await self._rollout_view(space)
         return JSONResponse({**body, "hosts": hosts}, status_code=status)
+
+    async def _rollout_view(self, space: str) -> dict[str, object]:
+        """The space's rollout (rollouts.view); on a fleet host the step under way sums
+        every host's counts: this host's own and the others' last reports."""
+        host = self.running
+        fleet = host.deploys.fleet
+        state = await self._thread(partial(rollouts.read, host.store.root, space))
+        others = None
+        live = state is not None and state["status"] in rollouts.LIVE
+        if fleet is not None and state is not None and live:
+            others = await fleet.rollout_others(space, state, host.table)
+        body = await self._thread(
+            partial(rollouts.view, host.store, host.table, state, space, others)
+        )
+        if fleet is not None and live and others is None:
+            body["warning"] = (
+                "the fleet store is unreachable: the step under way counts this host's"
+                " requests only"
+            )
+        return body
 
     async def _thread(self, func: Callable[[], _T]) -> _T:
         return await anyio.to_thread.run_sync(func, limiter=self.running.deploys.host_limiter)

@@ -181,7 +181,13 @@ SCHEMAS: dict[str, Any] = {
             "weights": {"type": "object", "description": "percent by version number"},
             "versions": {
                 "type": "object",
-                "description": "requests and errors by version number, over the rollout",
+                "description": "requests and errors by version number, over the rollout"
+                " (in a fleet, every host's)",
+            },
+            "warning": {
+                "type": "string",
+                "description": "in a fleet: the database is unreachable, so the step under"
+                " way counts this host's requests only",
             },
             "history": {"type": "array", "items": {"type": "object"}},
             "started_at": {"type": "number", "description": "Unix seconds"},

@@ -350,6 +350,7 @@ class CatchUp:
             self._take_secrets(pointers, every)
             store.slots.sync()
         self._take_accesses()
+        rollouts.take(self)
         log.info("took the fleet's pointers for %d spaces, up to change %d", len(pointers), last_id)
         for change, error in unfit:
             self._skip(change, error)

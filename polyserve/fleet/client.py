@@ -17,11 +17,16 @@ from polyserve.fleet.connection import Unreachable, threaded
 from polyserve.fleet.db import FleetDB
 from polyserve.fleet.fetch import fetch_version
 from polyserve.fleet.ledger import USAGE_COLUMNS
+from polyserve.fleet.rollouts import reporter
 from polyserve.settings import Settings
+from polyserve.state.shm import Table
 from polyserve.state.store import Store, Version
 
 _T = TypeVar("_T")
-WAIT_POLL_S = 0.02  # how often a waiting deploy reads the hosts' acknowledgements
+# How often a waiting deploy reads the hosts' acknowledgements: soon after the commit
+# (a host applies a change in milliseconds), then less often, up to the longest wait.
+WAIT_POLL_FIRST_S = 0.002
+WAIT_POLL_S = 0.02
 # Threads a worker gives the fleet's database calls: their own, so a database that stops
 # answering ties up none of the host's (imports, stagings) and no space waits on it.
 DB_THREADS = 4
@@ -54,6 +59,7 @@ class FleetClient:
         twice)."""
         s = self.settings
         deadline = time.monotonic() + s.deploy_wait_s
+        poll = WAIT_POLL_FIRST_S
         while True:
             try:
                 hosts = await self.run(self.db.hosts, s.fleet_live_s)
@@ -72,7 +78,8 @@ class FleetClient:
                     break
             if time.monotonic() > deadline:
                 break
-            await asyncio.sleep(WAIT_POLL_S)
+            await asyncio.sleep(poll)
+            poll = min(poll * 2, WAIT_POLL_S)
         if hosts is None:
             return 202, {"unknown": True, "error": HOSTS_UNKNOWN}
         done = [h for h, applied in live.items() if applied >= change.id and h not in skipped]
@@ -146,6 +153,17 @@ class FleetClient:
         """(The last change this host applied, the fleet's last change)."""
         applied = read_applied(self.store.root / APPLIED)
         return applied, await self.run(self.db.last_change)
+
+    async def rollout_others(
+        self, space: str, state: dict[str, Any], table: Table
+    ) -> dict[str, Any] | None:
+        """The other hosts' counts of a live rollout's step under way, as they last
+        reported them (None: the fleet store is unreachable)."""
+        try:
+            me = reporter(self.settings.host_id, table)
+            return await self.run(self.db.rollout_others, space, state, me)
+        except Unreachable:
+            return None
 
     async def view(self) -> dict[str, Any]:
         """The fleet's hosts, live or not, and what each has applied."""

@@ -29,6 +29,7 @@ from polyserve.fleet.db import FleetDB
 from polyserve.fleet.ledger import Boot, Totals
 from polyserve.procs import die_with_parent
 from polyserve.settings import Settings, load
+from polyserve.state import budget
 from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.shm import H_ALIVE, H_FOLLOWED, Table, segment_name
@@ -58,6 +59,7 @@ class Follower:
         self._beaten = False
         self.stop = threading.Event()
         self._usage_at = 0.0  # monotonic time of the last usage write
+        self._trimmed: int | None = None  # the change applied at the last disk budget pass
 
     def run(self) -> None:
         """Follow until stop is set, through lost connections and a database that is down."""
@@ -73,6 +75,7 @@ class Follower:
                 self.catchup.catch_up()
                 if not self._beat():
                     break
+                self._trim()  # after the heartbeat: no deploy waits for it
                 if time.monotonic() - self._usage_at >= s.checkpoint_interval:
                     self.write_usage()
                 self._wait(listener)
@@ -87,6 +90,13 @@ class Follower:
                 self.stop.wait(self.settings.fleet_poll_s)
         if listener is not None:
             listener.close()
+
+    def _trim(self) -> None:
+        """Under a disk budget, once at the start and after changes were applied (their
+        files may have come with them): the cold versions' files past it go."""
+        if self.store.disk_budget and self.catchup.applied != self._trimmed:
+            budget.trim(self.store, self.broadcast, self.store.disk_budget)
+            self._trimmed = self.catchup.applied
 
     def _beat(self) -> bool:
         """Heartbeat with the last change applied; False when this boot was replaced."""
@@ -205,9 +215,8 @@ def main() -> None:
     # Leave with the master, even one killed with -9 (the kernel sends SIGTERM).
     die_with_parent(signal.SIGTERM)
     settings = load()
-    store = Store(
-        settings.data_dir, settings.max_spaces, settings.keep_versions, settings.lazy_slots
-    )
+    s = settings
+    store = Store(s.data_dir, s.max_spaces, s.keep_versions, s.disk_budget_mb << 20, s.lazy_slots)
     table = Table.attach(segment_name(str(store.root)))
     if table is None or os.getppid() == 1:
         sys.exit("polyserve follower: no master (its table is gone)")

@@ -29,7 +29,7 @@ from polyserve.fleet.changes import Change, log_change
 from polyserve.fleet.connection import Connection
 from polyserve.fleet.schema import CHANGE_LOCK
 from polyserve.state import rollouts
-from polyserve.state.shm import H_STARTED
+from polyserve.state.shm import H_STARTED, Table
 
 if TYPE_CHECKING:
     from polyserve.fleet.catchup import CatchUp
@@ -46,6 +46,16 @@ class RolloutRows(Connection):
                 "SELECT state FROM polyserve_rollouts WHERE space = %s", (space,)
             ).fetchone()
         return dict(row[0]) if row else None
+
+    def rollouts_live(self) -> dict[str, int]:
+        """Every running or paused rollout: its new version, by space."""
+        with self.session() as conn:
+            rows = conn.execute(
+                "SELECT space, (state->>'version')::int FROM polyserve_rollouts"
+                " WHERE state->>'status' = ANY(%s)",
+                (list(rollouts.LIVE),),
+            ).fetchall()
+        return {str(space): int(version) for space, version in rows}
 
     def rollout_start(self, space: str, asked: dict[str, Any]) -> tuple[Change, dict[str, Any]]:
         """Commit a new rollout (rollouts.parse's `asked`); ClientError 404 (not deployed,
@@ -82,6 +92,8 @@ class RolloutRows(Connection):
                     space=space,
                 )
             state = rollouts.started(space, asked, current)
+            # The earlier rollouts' reports: their figures are in their states' history.
+            conn.execute("DELETE FROM polyserve_rollout_counts WHERE space = %s", (space,))
             return _commit(conn, space, state), state
 
     def rollout_act(self, space: str, action: str) -> tuple[Change, dict[str, Any]]:
@@ -109,7 +121,8 @@ class RolloutRows(Connection):
             return _commit(conn, space, state), state
 
     def rollout_report(self, space: str, host: str, state: dict[str, Any], counts: Any) -> None:
-        """This host's counts of the step under way (rollouts.step_counts')."""
+        """This host boot's counts of the step under way (rollouts.step_counts'); `host`
+        is reporter()'s, so a restarted host's earlier counts of the step stay summed."""
         with self.session() as conn:
             conn.execute(
                 "INSERT INTO polyserve_rollout_counts (space, host, started_at, step, counts)"
@@ -131,20 +144,7 @@ class RolloutRows(Connection):
                 or time.time() - state["step_started_at"] < state["step_s"]
             ):
                 return None
-            rows = conn.execute(
-                "SELECT counts FROM polyserve_rollout_counts"
-                " WHERE space = %s AND started_at = %s AND step = %s",
-                (space, state["started_at"], state["step"]),
-            ).fetchall()
-            summed: dict[str, dict[str, float]] = {
-                k: {"requests": 0, "errors": 0} for k in ("new", "old")
-            }
-            for (counts,) in rows:
-                for k in summed:
-                    summed[k]["requests"] += int(counts[k]["requests"])
-                    summed[k]["errors"] += int(counts[k]["errors"])
-            for c in summed.values():
-                c["error_rate"] = round(c["errors"] / c["requests"], 4) if c["requests"] else 0.0
+            summed = _step_sum(conn, space, state, but="")
             outcome = rollouts.decide(state, summed, time.time())
             if outcome != "next":
                 state["ended_at"] = time.time()
@@ -152,6 +152,40 @@ class RolloutRows(Connection):
                 state["status"] = outcome
             _commit(conn, space, state)
         return state
+
+    def rollout_others(self, space: str, state: dict[str, Any], but: str) -> dict[str, Any]:
+        """The step under way as every other reporter (host and boot) last reported it:
+        what GET …/rollout adds to this host's own, fresher, counts."""
+        with self.session() as conn:
+            return _step_sum(conn, space, state, but)
+
+
+def _step_sum(
+    conn: psycopg.Connection, space: str, state: dict[str, Any], but: str
+) -> dict[str, Any]:
+    """Each version's requests, errors and error rate in the step under way, summed over
+    the reports of every host boot but `but` (rollouts.step_counts' shape)."""
+    rows = conn.execute(
+        "SELECT counts FROM polyserve_rollout_counts"
+        " WHERE space = %s AND started_at = %s AND step = %s AND host <> %s",
+        (space, state["started_at"], state["step"], but),
+    ).fetchall()
+    summed = {k: {"requests": 0, "errors": 0} for k in ("new", "old")}
+    for (counts,) in rows:
+        for k, c in summed.items():
+            c["requests"] += int(counts[k]["requests"])
+            c["errors"] += int(counts[k]["errors"])
+    return {
+        k: {**c, "error_rate": round(c["errors"] / c["requests"], 4) if c["requests"] else 0.0}
+        for k, c in summed.items()
+    }
+
+
+def reporter(host: str, table: Table) -> str:
+    """Who reports a step's counts: the host and its boot. The lane cells are the boot's
+    table's, so a restarted host reports under a new name and its earlier boot's counts
+    of the step stay in the sum (a host's boots never count a request twice)."""
+    return f"{host}@{table.header(H_STARTED)}"
 
 
 def _changing(db: Connection) -> Any:
@@ -233,6 +267,19 @@ def apply(catchup: CatchUp, space: str, version: int | None) -> None:
             table.rollouts[slot] = rollouts.word_of(state) if live else 0
 
 
+def take(catchup: CatchUp) -> None:
+    """After this host took the fleet's pointers (it joined, or was far behind): every
+    live rollout's state, as its change would have brought it, so this host splits by
+    the fleet's weights from now on instead of at the rollout's next change; and the
+    ended state of one that is live here only (it ended while this host was away)."""
+    fleet = catchup.db.rollouts_live()
+    for space in fleet.keys() | rollouts.live(catchup.store.root).keys():
+        try:
+            apply(catchup, space, fleet.get(space))
+        except ClientError as exc:  # its next change (each step has one) tries again
+            log.warning("%s: its rollout is not applied here yet: %s", space, exc.error)
+
+
 def tick(catchup: CatchUp, host: str) -> None:
     """The follower's turn (every STOP_CHECK_S): report this host's counts of each live
     rollout's step, and decide the steps that are due (the first host to lock wins)."""
@@ -253,7 +300,8 @@ def tick(catchup: CatchUp, host: str) -> None:
             continue
         if local.get("boot") != table.header(H_STARTED):
             continue  # the master's thread resets a restarted boot's base first
-        db.rollout_report(space, host, local, rollouts.step_counts(table, slot, local))
+        counts = rollouts.step_counts(table, slot, local)
+        db.rollout_report(space, reporter(host, table), local, counts)
         due = time.time() - local["step_started_at"] >= local["step_s"]
         if local["status"] != "running" or not due:
             continue

@@ -62,7 +62,7 @@ class Dispatch:
         started = self.meter.begin()  # busy time includes a cold start's import
         slot: int | None = None  # None: no space answered, so no request is counted
         metered = False
-        lane = False  # a rollout sent it to its new version: counted in the lane too
+        lane = False  # to a rollout's new version (its choice, or by name): in the lane too
 
         def count(status: int, billed: bool = True, error: bool | None = None) -> None:
             # A model space's metadata and health reads are answered but not billed, and
@@ -102,6 +102,11 @@ class Dispatch:
                     active = self.registry.lease_named(space, version) or (
                         await self.registry.lease_version(space, version)
                     )
+                    split = self.split
+                    # By name, a live rollout's new version is metered as its split's
+                    # requests are: in the lane (docs/rollouts.md, "What is labelled").
+                    if split is not None and split.words[active.slot]:
+                        lane = split.new_version(active.slot) == active.version.number
             except BaseException as exc:
                 timed_out = isinstance(exc, asyncio.CancelledError) and self.deadlines.expired(task)
                 self.deadlines.leave(task)  # no lease: what is left is the answer why

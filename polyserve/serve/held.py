@@ -11,6 +11,7 @@ import anyio
 import anyio.to_thread
 
 from polyserve.serve import heap, loader
+from polyserve.state import budget
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.store import Store, Version
 from polyserve.usage.meter import Meter
@@ -73,6 +74,7 @@ class Held:
         heap.settle()  # what a collection frees must leave the RSS, whoever allocated it
         self._collect_at: asyncio.TimerHandle | None = None
         self._collected = 0.0  # loop time of the last collection
+        self._trimming: asyncio.Task[None] | None = None  # a disk budget's pass (trim_soon)
 
     # -- the holds --------------------------------------------------------------------
 
@@ -169,6 +171,25 @@ class Held:
     def _prune(self, space: str, slot: int) -> None:
         with self.store.locked():
             self.store.prune(space, self.broadcast.oldest_held(slot))
+        self.trim()  # what it held may be what stood over the disk budget
+
+    def trim(self) -> None:
+        """Under a disk budget (a fleet host's), remove the cold versions' files past it.
+        On a thread: it lists the data directory."""
+        if self.store.disk_budget:
+            budget.trim(self.store, self.broadcast, self.store.disk_budget)
+
+    def trim_soon(self) -> None:
+        """After a fetch added files: a disk budget's pass, off the request's path (its
+        listing grows with the spaces this host knows); none while one is under way."""
+        if self.store.disk_budget and self._trimming is None:
+            self._trimming = asyncio.create_task(self._trim())
+
+    async def _trim(self) -> None:
+        try:
+            await anyio.to_thread.run_sync(self.trim, limiter=self.host_limiter)
+        finally:
+            self._trimming = None
 
     @staticmethod
     async def wait_dropped(actives: list[Active]) -> None:

@@ -7,7 +7,6 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
-from pathlib import Path
 
 import anyio
 import anyio.to_thread
@@ -18,7 +17,7 @@ from polyserve.serve import heap, loader
 from polyserve.serve.devcap import DeviceMemory
 from polyserve.serve.held import Active, Held
 from polyserve.serve.memcap import MemoryCap, NoRoom
-from polyserve.state import rollouts
+from polyserve.state import budget, rollouts
 from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.layout import current_number
@@ -311,19 +310,7 @@ class Loads:
                 device_before = await device.admit(space)
             # Taken after making room: other tenants' shutdowns are not this load's time.
             started, started_us, anon_before = self.clock(), self.meter.clock(), anon_bytes()
-            if not version.dir.is_dir():
-                await self._fetch(version)
-            imported = await anyio.to_thread.run_sync(
-                _import_version,
-                self.store,
-                version.space,
-                version.number,
-                version.dir,
-                version.entry,
-                self.space_threads,
-                version.deps,
-                limiter=self.host_limiter,
-            )
+            imported = await self._read(version)
             await loader.start(imported, self.held.start_timeout)
         except BaseException:
             cap.abandon(space)
@@ -357,6 +344,29 @@ class Loads:
                     raise
         return active, (now - started) * 1000
 
+    async def _read(self, version: Version) -> loader.Imported:
+        """Import the (held) version's files: fetched first when they are not here, and
+        once more when a fleet host's disk budget removed them between the look and the
+        import's lock (polyserve/state/budget.py); held, they stay from then on."""
+        for attempt in range(2):
+            if attempt or not version.dir.is_dir():
+                await self._fetch(version)
+                self.held.trim_soon()  # the files it added may pass a disk budget
+            try:
+                return await anyio.to_thread.run_sync(
+                    _import_version,
+                    self.store,
+                    version,
+                    self.space_threads,
+                    limiter=self.host_limiter,
+                )
+            except budget.Pruned:
+                pass
+        raise loader.FilesAway(
+            f"the files of {version.space} v{version.number} went from this host while it"
+            " loaded them: try again"
+        )
+
     async def _fetch(self, version: Version) -> None:
         if self.fetch is None:
             raise loader.LoadError(
@@ -374,18 +384,14 @@ class Loads:
             raise loader.LoadError(exc.error) from exc
 
 
-def _import_version(
-    store: Store,
-    space: str,
-    number: int,
-    root: Path,
-    entry: str,
-    threads: int,
-    deps: Path | None,
-) -> loader.Imported:
-    """loader.import_version, with the heap's thresholds of a load (heap.loading) and
-    the space's secrets, read once for this load: a change to them releases the space
-    after its file is written, so a load that read the old ones serves no request."""
+def _import_version(store: Store, version: Version, threads: int) -> loader.Imported:
+    """loader.import_version, with the heap's thresholds of a load (heap.loading), under
+    the read lock of a disk budget (budget.reading), and with the space's secrets, read
+    once for this load: a change to them releases the space after its file is written,
+    so a load that read the old ones serves no request."""
+    space, number = version.space, version.number
     values = store.secrets.values(space)
-    with heap.loading():
-        return loader.import_version(space, number, root, entry, threads, deps, values)
+    with heap.loading(), budget.reading(store, space, number):
+        return loader.import_version(
+            space, number, version.dir, version.entry, threads, version.deps, values
+        )

@@ -26,6 +26,10 @@ class Split:
         self._headers: dict[int, tuple[int, bytes | None]] = {}  # slot -> (word, header)
         self._draw = random.Random()
 
+    def new_version(self, slot: int) -> int:
+        """The new version of the slot's live rollout (0: none), as word() packs it."""
+        return (self.words[slot] >> 8) & 0xFFFFFFFF
+
     def choose(self, slot: int, space: str, headers: list[tuple[bytes, bytes]]) -> int:
         """The version number a rollout sends this request to, or 0: the current one."""
         found = self.words[slot]

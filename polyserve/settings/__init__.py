@@ -57,6 +57,7 @@ class Settings:
     fleet_poll_s: float
     fleet_live_s: float
     fleet_files: str
+    disk_budget_mb: int
     fleet_timeout_s: float
     deploy_wait_s: float
     deps_index_url: str
@@ -89,6 +90,7 @@ def load(env: Mapping[str, str] | None = None) -> Settings:
             " POLYSERVE_DEPLOY_TOKEN_SHA256 (`make token` prints a token and its hash)"
         )
     values["deploy_token_sha256"] = admin or values["deploy_token_sha256"]
+    _check_budget(values)
     if env is os.environ:
         forget_token(os.environ)
     return Settings(**values)
@@ -109,6 +111,23 @@ def _database_url(path: str, values: dict[str, Any]) -> str:
     if not url:
         raise ValueError("POLYSERVE_DATABASE_URL_FILE: the file is empty")
     return url
+
+
+def _check_budget(values: dict[str, Any]) -> None:
+    """A disk budget removes files the fleet keeps a copy of: on a single host they are
+    the only copy, and with POLYSERVE_FLEET_FILES=all the host fetches every deploy's."""
+    if not values["disk_budget_mb"]:
+        return
+    if not values["database_url"]:
+        raise ValueError(
+            "POLYSERVE_DISK_BUDGET_MB is for a fleet host (POLYSERVE_DATABASE_URL): a single"
+            " host's files are their only copy; unset it, or set POLYSERVE_KEEP_VERSIONS"
+        )
+    if values["fleet_files"] == "all":
+        raise ValueError(
+            "POLYSERVE_DISK_BUDGET_MB and POLYSERVE_FLEET_FILES=all: `all` keeps every"
+            " space's files here, the budget removes the cold ones; keep one of them"
+        )
 
 
 def withhold(url: str, environ: MutableMapping[str, str] | None = None) -> None:

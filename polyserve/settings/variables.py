@@ -366,6 +366,15 @@ SETTINGS: tuple[Setting, ...] = (
         " `all` (every space's, so it serves them all through a database outage).",
     ),
     Setting(
+        "disk_budget_mb",
+        non_negative_int,
+        const(0),
+        "MiB the version files of a fleet host may take (0: no limit): past it, the files"
+        " of the versions no worker holds go, least recently loaded first, and are fetched"
+        " again on their next load. Needs POLYSERVE_DATABASE_URL and"
+        " POLYSERVE_FLEET_FILES=served.",
+    ),
+    Setting(
         "fleet_timeout_s",
         positive_float,
         const(10.0),

@@ -121,13 +121,13 @@ class Layout:
         return found
 
     def kept(self, space: str) -> list[int]:
-        """The numbers of the versions on disk that a rollback may make current."""
-        versions = self.space_dir(space) / "versions"
-        try:
-            names = [p.name for p in versions.iterdir()]
-        except FileNotFoundError:
-            return []
-        return sorted(int(n) for n in names if n.isdigit() and f"{n}.json" in names)
+        """The numbers of the versions kept here, which a rollback may make current: those
+        with their metadata. A fleet host may lack their files (never fetched, or removed
+        by its disk budget): the first load fetches them."""
+        names = [
+            p.name.removesuffix(".json") for p in self.space_dir(space).glob("versions/*.json")
+        ]
+        return sorted(int(n) for n in names if n.isdigit())
 
     def pins(self, space: str) -> list[int]:
         """The versions pinned in a space (Store.pin): pruning never removes them."""
@@ -136,6 +136,12 @@ class Layout:
         except FileNotFoundError:
             return []
         return sorted(int(n) for n in found)
+
+    def waiting(self, space: str) -> int | None:
+        """The version deployed with current=false that waits for its rollout (Store.keep):
+        pruning keeps it until unpinned, made current, or replaced by a later one."""
+        number = read_int(self.space_dir(space) / "waiting")
+        return number or None
 
     def versions(self, space: str) -> list[dict[str, object]]:
         """Each kept version's metadata, oldest first, with `current` marked."""

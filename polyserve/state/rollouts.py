@@ -219,26 +219,31 @@ def act(store: Store, table: Table, space: str, action: str) -> dict[str, Any]:
 
 
 def view(
-    store: Store, table: Table, state: dict[str, Any] | None = None, space: str = ""
+    store: Store,
+    table: Table,
+    state: dict[str, Any] | None = None,
+    space: str = "",
+    others: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The rollout as GET …/rollout answers it: its state, the weights, and the requests
-    and errors of each version (its steps' and, while it runs, the current step's)."""
+    and errors of each version (its steps' and, while it runs, the current step's: this
+    host's, plus `others`, a fleet's other hosts' in step_counts' shape)."""
     if state is None:
         state = read(store.root, space)
         if state is None:
             raise ClientError(404, f"space {space} has no rollout", space=space)
     new, old = int(state["version"]), int(state["old"])
+    steps = list(state["history"])
+    slot = store.slots.slot(str(state["space"]))
+    if state["status"] in LIVE and slot is not None and state["boot"] == table.header(H_STARTED):
+        steps.append(step_counts(table, slot, state))
+    if state["status"] in LIVE and others is not None:
+        steps.append(others)
     totals = {new: [0, 0], old: [0, 0]}
-    for step in state["history"]:
+    for step in steps:
         for v, key in ((new, "new"), (old, "old")):
             totals[v][0] += step[key]["requests"]
             totals[v][1] += step[key]["errors"]
-    slot = store.slots.slot(str(state["space"]))
-    if state["status"] in LIVE and slot is not None and state["boot"] == table.header(H_STARTED):
-        live = step_counts(table, slot, state)
-        for v, key in ((new, "new"), (old, "old")):
-            totals[v][0] += live[key]["requests"]
-            totals[v][1] += live[key]["errors"]
     out = {k: v for k, v in state.items() if k not in ("base", "boot")}
     out["weights"] = {str(old): 100 - state["weight"], str(new): state["weight"]}
     out["versions"] = {str(v): {"requests": r, "errors": e} for v, (r, e) in totals.items()}
@@ -332,7 +337,13 @@ class Driver:
         due = due and self.changes is not None
         restarted = state.get("boot") != self.table.header(H_STARTED)
         if slot is not None and not (due or restarted):
-            self.table.rollouts[slot] = word_of(state)
+            if self.table.rollouts[slot] != word_of(state):  # a slot new here, say
+                # Under the lock, from the file again: an abort since this tick read it
+                # clears the word, and a word written from the older read would outlive it.
+                with self.forking, self.store.locked():
+                    found = read(self.store.root, space)
+                    if found is not None and found["status"] in LIVE:
+                        self.table.rollouts[slot] = word_of(found)
             return
         announce = False
         with self.forking, self.store.locked():

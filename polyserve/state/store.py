@@ -5,8 +5,8 @@ written again; only ``current`` moves (the layout is polyserve.state.layout's). 
 move of ``current`` (a deploy, a rollback, a delete) and each release appends an event
 to the space's history (polyserve.state.history), which is also what ranks versions for
 pruning: the last ``keep_versions`` versions that were made current stay, whatever their
-numbers, and so does every pinned version (``pin``), until it is unpinned or the space
-is deleted.
+numbers, and so does every pinned version (``pin``) and the version that waits for its
+rollout (``keep``), until it is unpinned or the space is deleted.
 """
 
 from __future__ import annotations
@@ -70,11 +70,15 @@ class Store(Layout):
         data_dir: str | os.PathLike[str],
         max_spaces: int,
         keep_versions: int = DEFAULT_KEEP_VERSIONS,
+        disk_budget: int = 0,
         lazy_slots: bool = False,
     ) -> None:
         super().__init__(data_dir)
         self.max_spaces = max_spaces
         self.keep_versions = keep_versions
+        # Bytes the version files may take, 0: no limit (a fleet host's only, whose files
+        # the fleet keeps too: polyserve/state/budget.py).
+        self.disk_budget = disk_budget
         # A fleet host that serves what it is asked (Settings.lazy_slots): a space's
         # change moves its pointer without a slot, which its first request here takes
         # (claim_slot), and a full table hands over the slot of a space no worker holds.
@@ -214,9 +218,11 @@ class Store(Layout):
 
     def keep(self, space: str, number: int, meta: dict[str, object]) -> int:
         """Store version `number`'s metadata as a kept version without moving `current`
-        (a deploy with current=false: a rollout makes it current later). Hold locked();
-        returns the slot (NO_SLOT: none here yet). Raises ClientError 409 when the space
-        is not deployed: a rollout needs a current version to start from."""
+        (a deploy with current=false: a rollout makes it current later). It waits for
+        its rollout: no history ranks it, so pruning keeps it by name until unpin() (its
+        rollout's end), a move of `current` to it, or a later keep() in its place. Hold
+        locked(); returns the slot (NO_SLOT: none here yet). Raises ClientError 409 when
+        the space is not deployed: a rollout needs a current version to start from."""
         sdir = self.space_dir(space)
         slot = self.slots.slot(space)
         if current_number(sdir) is None:
@@ -229,6 +235,7 @@ class Store(Layout):
             write_atomic(sdir / "versions" / f"{number}.json", json.dumps(meta).encode())
             if number > read_int(sdir / "last"):
                 write_atomic(sdir / "last", str(number).encode())
+            write_atomic(sdir / "waiting", str(number).encode(), fsync=True)
         return NO_SLOT if slot is None else slot
 
     def reactivate(self, space: str, asked: int | None) -> tuple[int, int, int, dict[str, object]]:
@@ -266,6 +273,7 @@ class Store(Layout):
             return None
         # Its pins go with it: a redeployed space starts with none.
         (self.space_dir(space) / "pins").unlink(missing_ok=True)
+        (self.space_dir(space) / "waiting").unlink(missing_ok=True)
         self.history.record(space, "delete", None, previous)
         access.drop(self.root, space)  # a space deployed again under the name starts public
         slot = self.slots.slot(space)
@@ -289,8 +297,10 @@ class Store(Layout):
         return self._write_pins(space, {*self.pins(space), number})
 
     def unpin(self, space: str, number: int) -> list[int]:
-        """Let pruning remove version `number` again (from the next prune on). Hold
-        locked(); returns the pins left."""
+        """Let pruning remove version `number` again (from the next prune on), pinned or
+        waiting for its rollout. Hold locked(); returns the pins left."""
+        if self.waiting(space) == number:
+            (self.space_dir(space) / "waiting").unlink(missing_ok=True)
         return self._write_pins(space, set(self.pins(space)) - {number})
 
     def _write_pins(self, space: str, pins: set[int]) -> list[int]:
@@ -310,12 +320,11 @@ class Store(Layout):
 
     def prune(self, space: str, oldest_held: int | None) -> None:
         """Remove the versions nobody can use any more. Kept: the current one and the
-        ones made current most recently, keep_versions in all, and the pinned ones (none
-        of them once the space is deleted), and every version numbered from the oldest
-        one a worker holds — a draining request or a slow load may still read its files
-        (a worker writes only the oldest number it holds, so everything from there up
-        stays). Hold
-        locked()."""
+        ones made current most recently, keep_versions in all, the pinned ones and the
+        one waiting for its rollout (none of them once the space is deleted), and every
+        version numbered from the oldest one a worker holds — a draining request or a
+        slow load may still read its files (a worker writes only the oldest number it
+        holds, so everything from there up stays). Hold locked()."""
         sdir = self.space_dir(space)
         current = current_number(sdir)
         try:
@@ -328,6 +337,10 @@ class Store(Layout):
             ranked = self.history.ranked(space, {number for number, _ in found})
             keep.update(ranked[: self.keep_versions])
             keep.update(self.pins(space))
+            waiting = self.waiting(space)
+            if waiting == current:  # made current (every move prunes): the history ranks it
+                (sdir / "waiting").unlink(missing_ok=True)
+            keep.add(waiting)
         for number, path in found:
             if number in keep or (oldest_held is not None and number >= oldest_held):
                 continue

@@ -5,14 +5,19 @@ counts) end with it current everywhere."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import httpx2 as httpx
 import psycopg
 import pytest
 
 # _client: test_fleet's module-wide HTTP client, which its helpers use (an autouse fixture)
-from tests.fleet.test_fleet import _client, start_fleet  # noqa: F401
-from tests.helpers import HostProcess, until
+from polyserve.fleet.catchup import EAGER_LIMIT
+from tests.fleet.test_fleet import FAST, _client, fleet, start_fleet, wait_live  # noqa: F401
+from tests.helpers import HostProcess, alive, until
 from tests.hosts.test_rollout import source
+from tests.postgres import PostgresServer
 
 pytestmark = pytest.mark.postgres
 
@@ -77,6 +82,12 @@ def test_a_rollout_runs_on_every_host_and_an_abort_through_one_reaches_the_other
     assert r.json()["status"] == "aborted"
     assert state(a, "fr/split")["status"] == "aborted"
     assert answers(a, "fr/split", 40) == {"one": 40, "two": 0}
+    # A new rollout of the space starts with no reports: the aborted one's are gone.
+    r = post(a, "fr/split/rollout", version=2, steps=[30, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    with psycopg.connect(fleet_db) as conn:
+        started = {s for (s,) in conn.execute("SELECT started_at FROM polyserve_rollout_counts")}
+    assert started <= {r.json()["started_at"]}, started
 
 
 def test_a_good_version_completes_fleet_wide_and_becomes_current(host_factory, fleet_db):
@@ -100,3 +111,153 @@ def test_a_good_version_completes_fleet_wide_and_becomes_current(host_factory, f
         return all(h.get("/s/fr/good/").json() == {"v": "two"} for h in (a, b))
 
     until(current_everywhere, what="version 2 current on both hosts")
+
+
+@pytest.mark.parametrize("history", [0, EAGER_LIMIT + 1])
+def test_a_host_that_joins_mid_rollout_splits_by_the_fleets_weights(
+    host_factory, fleet_db, history
+):
+    """B joins while a rollout runs at 50%: replaying the few changes of the fleet, or
+    (with a longer history) taking its pointers, it applies the rollout's state."""
+    (a,) = start_fleet(host_factory, fleet_db, "a")
+    for i in range(history):  # other spaces' deploys: B takes the fleet's pointers
+        deploy(a, f"fr/other{i}", source("one"))
+    deploy(a, "fr/join", source("one"))
+    deploy(a, "fr/join", source("two"), current=False)
+    r = post(a, "fr/join/rollout", version=2, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    b = host_factory("b", workers=1, POLYSERVE_DATABASE_URL=fleet_db, POLYSERVE_HOST_ID="b", **FAST)
+    wait_live(a, {"a", "b"})
+    last = fleet(b)["last_change"]
+    until(
+        lambda: {h["id"]: h["applied"] for h in fleet(b)["hosts"]}["b"] == last,
+        what="B to apply the fleet's last change",
+    )
+    assert state(b, "fr/join")["weights"] == {"1": 50, "2": 50}
+    # 100 requests at 50%: one version alone would be a chance of 1e-30.
+    seen = answers(b, "fr/join", 100)
+    assert seen["two"] > 0 and seen["one"] > 0, seen
+
+
+def test_the_step_under_way_shows_the_fleets_counts_on_every_host(host_factory, fleet_db):
+    a, b = start_fleet(host_factory, fleet_db, "ab")
+    deploy(a, "fr/sum", source("one"))
+    deploy(a, "fr/sum", source("two"), current=False)
+    r = post(a, "fr/sum/rollout", version=2, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    sent = answers(a, "fr/sum", 30)
+    for version, n in answers(b, "fr/sum", 50).items():
+        sent[version] += n
+    wanted = {"1": sent["one"], "2": sent["two"]}
+
+    def summed(host: HostProcess) -> dict[str, int]:
+        versions = state(host, "fr/sum")["versions"]
+        return {v: counts["requests"] for v, counts in versions.items()}
+
+    for host in (a, b):  # each host's own counts, and the other's last report
+        until(lambda h=host: summed(h) == wanted, what=f"{host.url} to show {wanted}")
+
+
+def test_a_rollout_goes_on_after_a_host_is_killed_and_started_again(host_factory, fleet_db):
+    """B's gunicorn master is killed mid-step (SIGKILL by PID) and started again: B
+    splits by the rollout's weights again, and the step's counts keep what B's first
+    boot reported beside what its second one counts."""
+    a, b = start_fleet(host_factory, fleet_db, "ab")
+    deploy(a, "fr/kill", source("one"))
+    deploy(a, "fr/kill", source("two"), current=False)
+    r = post(a, "fr/kill/rollout", version=2, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    before = answers(b, "fr/kill", 20)
+
+    def requests(host: HostProcess) -> int:
+        return sum(v["requests"] for v in state(host, "fr/kill")["versions"].values())
+
+    until(lambda: requests(a) == 20, what="B's report of 20 requests to reach A's view")
+    workers, follower = b.worker_pids(), b.follower_pid()
+    os.kill(b.proc.pid, signal.SIGKILL)
+    until(lambda: b.proc.poll() is not None, what="B's master to die")
+    until(lambda: not any(alive(p) for p in {*workers, follower}), what="B's processes to exit")
+    b.start()
+    wait_live(a, {"a", "b"})
+    found = state(b, "fr/kill")
+    assert found["status"] == "running" and found["weights"] == {"1": 50, "2": 50}, found
+    # 100 requests at 50%: one version alone would be a chance of 1e-30.
+    after = answers(b, "fr/kill", 100)
+    assert after["one"] > 0 and after["two"] > 0, after
+    wanted = {
+        "1": before["one"] + after["one"],
+        "2": before["two"] + after["two"],
+    }
+    for host in (a, b):
+        until(
+            lambda h=host: (
+                {v: c["requests"] for v, c in state(h, "fr/kill")["versions"].items()} == wanted
+            ),
+            what=f"{host.url} to show both boots' counts {wanted}",
+        )
+
+
+def test_a_failing_version_is_rolled_back_fleet_wide_by_itself(host_factory, fleet_db):
+    """A new version that fails 20% of its requests, called through both hosts, is rolled
+    back by the fleet's judgement; every host then serves the old version alone."""
+    a, b = start_fleet(host_factory, fleet_db, "ab")
+    deploy(a, "fr/bad", source("one"))
+    deploy(a, "fr/bad", source("two", fail_every=5), current=False)
+    r = post(a, "fr/bad/rollout", version=2, steps=[50, 100], step_s=2, max_error_rate=0.05)
+    assert r.status_code == 200, r.text
+    failed = {"a": 0, "b": 0}
+    clients = {n: httpx.Client(base_url=h.url, timeout=30) for n, h in (("a", a), ("b", b))}
+    try:
+
+        def rolled_back() -> bool:
+            for name, client in clients.items():
+                for _ in range(5):
+                    failed[name] += client.get("/s/fr/bad/").status_code == 500
+            return state(a, "fr/bad")["status"] != "running"
+
+        until(rolled_back, what="the rollout to end")
+    finally:
+        for client in clients.values():
+            client.close()
+    assert failed["a"] > 0 and failed["b"] > 0, failed  # both hosts' requests failed
+    for host in (a, b):
+        found = state(host, "fr/bad")
+        assert found["status"] == "rolled_back", found
+        assert "version 2 failed" in found["reason"], found
+        assert found["weights"] == {"1": 100, "2": 0}
+        (step,) = found["history"]
+        assert step["old"]["errors"] == 0 and step["new"]["errors"] >= 1, step
+        assert answers(host, "fr/bad", 40) == {"one": 40, "two": 0}
+    # The step was judged from both hosts' reports (each of them saw failures), which
+    # hold no more than the failures the clients saw.
+    with psycopg.connect(fleet_db) as conn:
+        rows = dict(conn.execute("SELECT host, counts FROM polyserve_rollout_counts").fetchall())
+    assert {h.split("@")[0] for h in rows} == {"a", "b"}, rows
+    assert all(c["new"]["errors"] > 0 for c in rows.values()), rows
+    reported = sum(c["new"]["errors"] for c in rows.values())
+    assert step["new"]["errors"] <= reported <= failed["a"] + failed["b"], (step, rows, failed)
+
+
+def test_a_rollouts_view_without_the_database_is_this_hosts_and_says_so(
+    own_postgres: PostgresServer, host_factory
+):
+    url = own_postgres.create_database()
+    a, b = start_fleet(host_factory, url, "ab")
+    deploy(a, "fr/down", source("one"))
+    deploy(a, "fr/down", source("two"), current=False)
+    r = post(a, "fr/down/rollout", version=2, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    here = answers(a, "fr/down", 10)  # A's own (A fetches v1's files at the first)
+    answers(b, "fr/down", 10)  # B's: in A's view while the database answers
+    until(
+        lambda: sum(v["requests"] for v in state(a, "fr/down")["versions"].values()) == 20,
+        what="B's report to reach A's view",
+    )
+    assert "warning" not in state(a, "fr/down")
+    own_postgres.stop()
+    for version, n in answers(a, "fr/down", 20).items():
+        here[version] += n
+    found = state(a, "fr/down")
+    assert "unreachable" in found["warning"], found
+    requests = {v: c["requests"] for v, c in found["versions"].items()}
+    assert requests == {"1": here["one"], "2": here["two"]}, (requests, here)

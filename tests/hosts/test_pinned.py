@@ -155,3 +155,27 @@ def test_deleting_the_space_makes_a_version_by_name_a_404(host):
         answer = host.get("/s/pin/deleted@1/")
         assert answer.status_code == 404, answer.text
         assert "not deployed" in answer.json()["error"]
+
+
+def test_a_version_deployed_with_current_false_outlasts_later_deploys_for_its_rollout(host):
+    deploy(host, "pin/waits", source("one"))
+    answer = httpx.post(
+        host.url + "/_polyserve/deploy",
+        data={"space": "pin/waits", "current": "false"},
+        files={"module": ("main.py", source("new").encode())},
+        timeout=60,
+    )
+    assert answer.status_code == 200 and answer.json()["version"] == 2, answer.text
+    for text_ in ("three", "four", "five"):  # more plain deploys than keep_versions (2)
+        deploy(host, "pin/waits", source(text_))
+    versions = host.get("/_polyserve/spaces/pin/waits/versions").json()
+    assert [v["version"] for v in versions["versions"]] == [2, 4, 5], versions
+    started = httpx.post(
+        host.url + "/_polyserve/spaces/pin/waits/rollout",
+        json={"version": 2, "steps": [50, 100], "step_s": 3600},
+        timeout=30,
+    )
+    assert started.status_code == 200, started.text
+    # 100 requests at 50%: one version alone would be a chance of 1e-30.
+    seen = {text(host, "/s/pin/waits/") for _ in range(100)}
+    assert seen == {"new", "five"}, seen

@@ -116,6 +116,32 @@ def test_a_rollout_at_25_percent_sends_a_quarter_and_a_sticky_key_one_version(ho
     assert rollout(host, "ro/split", version=1, steps=[100]).status_code == 409  # current
 
 
+def test_requests_by_name_to_a_rollouts_new_version_are_metered_in_its_lane(host):
+    deploy(host, "ro/named", source("one"))
+    deploy(host, "ro/named", source("two"))
+    new = deploy(host, "ro/named", source("three"), current=False)
+    answer = rollout(host, "ro/named", version=new, steps=[1, 100], step_s=3600)
+    assert answer.status_code == 200, answer.text
+    lane_name = "polyserve_space_rollout_request_duration_seconds"
+    with httpx.Client(base_url=host.url, timeout=30) as client:
+        calls = {"@3": 10, "@2": 7, "@1": 5}  # the new version, the old one, neither
+        for suffix, n in calls.items():
+            for _ in range(n):
+                assert client.get(f"/s/ro/named{suffix}/").status_code == 200
+    every = metrics_histogram(host, "polyserve_space_request_duration_seconds", "ro/named")
+    lane = metrics_histogram(host, lane_name, "ro/named")
+    assert (every["count"], lane["count"]) == (22, 10)
+    # The rollout's figures are the lane's: version 1's requests by name count as the
+    # old version's (the space's less the lane), as docs/rollouts.md says.
+    counts = state(host, "ro/named")["versions"]
+    assert (counts["3"]["requests"], counts["2"]["requests"]) == (10, 12), counts
+    # Once the rollout is over, version 3 by name is the space's alone again.
+    assert action(host, "ro/named", "abort")["status"] == "aborted"
+    for _ in range(3):
+        assert host.get("/s/ro/named@3/").status_code == 200
+    assert metrics_histogram(host, lane_name, "ro/named")["count"] == 10
+
+
 def test_a_failing_version_is_rolled_back_by_itself_with_the_errors_per_version(host):
     deploy(host, "ro/bad", source("one"))
     new = deploy(host, "ro/bad", source("two", fail_every=5), current=False)

@@ -7,8 +7,10 @@ The clock is injected and the shared table is anonymous, so nothing sleeps or fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import io
+import shutil
 import threading
 import weakref
 from collections.abc import Iterator
@@ -19,10 +21,11 @@ import pytest
 from polyserve.serve import loader
 from polyserve.serve.loading import TableFull
 from polyserve.serve.registry import NoRoom, NotDeployed, NotKept, OtherPool, Registry
+from polyserve.state import budget
 from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.shm import Table
-from polyserve.state.store import Store
+from polyserve.state.store import Store, Version
 from polyserve.usage.meter import CELLS, Cell, Meter, totals_by_name
 from tests.helpers import Ballast, make_tar
 
@@ -127,6 +130,52 @@ def test_nothing_is_imported_before_the_first_request(world, monkeypatch):
     calls = count_imports(monkeypatch)
     world.deploy("o/s", version(1))
     assert calls == [] and world.registry.active == {}
+
+
+def racing_budget(world: World, monkeypatch, removals: int) -> list[int]:
+    """A fleet worker whose disk budget wins the race `removals` times: the version's
+    files go after the load saw them, just before its read lock (budget.reading); its
+    fetch puts them back, as the fleet's would. Returns the versions it fetched."""
+    world.deploy("o/s", version(1))
+    files = world.store.version("o/s", 1).dir
+    fleet = world.store.root.parent / "fleet-copy"
+    shutil.copytree(files, fleet)
+    fetched: list[int] = []
+
+    async def fetch(found: Version) -> None:
+        fetched.append(found.number)
+        shutil.copytree(fleet, found.dir)
+
+    real = budget.reading
+
+    @contextlib.contextmanager
+    def raced(layout, space, number):
+        if len(fetched) < removals:
+            shutil.rmtree(files)
+        with real(layout, space, number):
+            yield
+
+    monkeypatch.setattr(budget, "reading", raced)
+    world.registry = Registry(
+        world.store, world.broadcast, world.meter, TTL, 5.0, clock=world.clock, fetch=fetch
+    )
+    return fetched
+
+
+def test_files_removed_between_a_loads_look_and_its_read_are_fetched_again(world, monkeypatch):
+    """The load fetches the files and imports the version: no 500 for the race."""
+    fetched = racing_budget(world, monkeypatch, removals=1)
+    assert run(world.call("o/s")) == 1
+    assert fetched == [1]
+
+
+def test_files_removed_again_after_their_fetch_answer_files_away(world, monkeypatch):
+    """Held by then, a version is never removed again; should it be, the load answers
+    FilesAway (a 503 with Retry-After), never a 500."""
+    fetched = racing_budget(world, monkeypatch, removals=2)
+    with pytest.raises(loader.FilesAway, match="went from this host while it loaded them"):
+        run(world.call("o/s"))
+    assert fetched == [1]
 
 
 def test_a_fleet_worker_never_imports_another_pools_space(world, monkeypatch):

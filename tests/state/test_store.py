@@ -469,3 +469,37 @@ def test_a_delete_drops_the_pins_and_their_versions_go_once_unheld(store):
     assert store.pins("o/s") == [] and store.kept("o/s") == []
     publish(store, "o/s", {"main.py": "A = 3\n"})  # a redeployed space starts unpinned
     assert store.pins("o/s") == []
+
+
+def test_a_version_kept_with_current_false_waits_for_its_rollout_through_any_prune(store):
+    publish(store, "o/s", {"main.py": "A = 1\n"})
+    staged = stage(store, make_tar({"main.py": "A = 2\n"}))
+    with store.locked():
+        assert store.publish("o/s", staged, {}, current=False)[1] == 2
+    for i in range(KEEP_VERSIONS + 2):
+        publish(store, "o/s", {"main.py": f"A = {i + 3}\n"})
+    assert 2 in store.kept("o/s") and store.waiting("o/s") == 2
+    # A later current=false deploy takes its place: the first one may go.
+    staged = stage(store, make_tar({"main.py": "A = 9\n"}))
+    with store.locked():
+        later = store.publish("o/s", staged, {}, current=False)[1]
+        store.prune("o/s", oldest_held=None)
+    assert 2 not in store.kept("o/s") and store.waiting("o/s") == later
+    # Its rollout's end lets it go, as a move of `current` to it does.
+    with store.locked():
+        store.unpin("o/s", later)
+        store.prune("o/s", oldest_held=None)
+    assert later not in store.kept("o/s") and store.waiting("o/s") is None
+
+
+def test_a_waiting_version_made_current_waits_no_more(store):
+    publish(store, "o/s", {"main.py": "A = 1\n"})
+    staged = stage(store, make_tar({"main.py": "A = 2\n"}))
+    with store.locked():
+        store.publish("o/s", staged, {}, current=False)
+        store.reactivate("o/s", 2)  # a rollback to it, as a completed rollout's is
+        store.prune("o/s", oldest_held=None)
+    assert store.waiting("o/s") is None
+    for i in range(KEEP_VERSIONS):  # ranked by the history now: pruned as any version
+        publish(store, "o/s", {"main.py": f"A = {i + 3}\n"})
+    assert 2 not in store.kept("o/s")
