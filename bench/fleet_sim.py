@@ -7,7 +7,9 @@ one worker) joins them and takes the deploys; a single host (no database) takes 
 deploys alternately. The M spaces are the rows ChangeLog.deploy writes, one real deploy
 copied in bulk (no validation, no fork per space). Followers fetch files only for spaces
 they have files of (POLYSERVE_FLEET_FILES=served, the default): they never served any, so
-each deploy moves only its pointer there. Prints one JSON object. Alone:
+each deploy moves only its pointer there, and takes no table slot. At the end the real
+host serves 10 of the spaces, and the slots and versions' files it then holds are counted
+(`served_few`). Prints one JSON object. Alone:
 `python bench/fleet_sim.py --followers 50 --spaces 100000`.
 """
 
@@ -29,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import harness
+import httpx2
 
 sys.path.insert(0, str(harness.REPO))
 from psycopg.types.json import Jsonb
@@ -385,6 +388,27 @@ def local_disk(root: Path) -> dict:
     return {"inodes": files, "bytes": size}
 
 
+def served_few(real: harness.Server, root: Path, spaces: int, served: int = 10) -> dict:
+    """The real host once it has served `served` of the `spaces` seeded (spread over
+    them): the table slots and the versions' files it holds (issue 30: at most 10 of
+    each for 10 of 10,000)."""
+    served = min(served, spaces)
+    step = spaces // served
+    for i in range(0, step * served, step):
+        r = httpx2.get(f"{real.url}/s/sim/s{i}/", timeout=60)
+        assert r.status_code == 200, r.text
+    lines = (root / "slots.log").read_text().splitlines()
+    slots = len({line.split("\t")[0] for line in lines})
+    versions = sum(1 for p in (root / "spaces").glob("*/*/versions/*") if p.is_dir())
+    return {
+        "deployed": spaces,
+        "served": served,
+        "slots": slots,
+        "versions_on_disk": versions,
+        "met": slots <= served and versions <= served,
+    }
+
+
 def run(args: argparse.Namespace, server: PostgresServer, tmp: Path) -> dict:
     url = server.create_database()
     db = FleetDB(url)
@@ -434,6 +458,8 @@ def run(args: argparse.Namespace, server: PostgresServer, tmp: Path) -> dict:
                 result["catch_up"] = catch_up(db, url, sims, args.spaces, args.behind)
             result["database_after_catch_up"] = database(url)["tables"]["polyserve_changes"]
             result["ledger_per_boot"] = ledger_row_bytes(db, url, min(args.spaces, 10_000))
+            # Last: the usage the real host writes of them would share the ledger's pages.
+            result["served_few"] = served_few(real, tmp / "real", args.spaces)
         finally:
             for sim in sims:
                 sim.close()

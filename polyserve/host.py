@@ -58,7 +58,7 @@ async def running_host(
 ) -> AsyncIterator[Host]:
     """A worker's objects and background tasks, from its lifespan startup to shutdown."""
     s = settings
-    store = Store(s.data_dir, s.max_spaces, s.keep_versions, s.disk_budget_mb << 20)
+    store = Store(s.data_dir, s.max_spaces, s.keep_versions, s.disk_budget_mb << 20, s.lazy_slots)
     # Without the gunicorn master (in-process tests), a private one-row table.
     inherited = handoff.received()
     if inherited is not None:

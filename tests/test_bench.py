@@ -153,6 +153,14 @@ def test_fleet_sim_runs_tiny():
     # Each follower holds connections of its own: the fleet's count grows with them.
     assert result["follower"]["connections"] > 0
     assert result["catch_up"]["versions_behind"] == 30
+    # The real host served 10 of the 50: it holds their slots and files, and no others.
+    assert result["served_few"] == {
+        "deployed": 50,
+        "served": 10,
+        "slots": 10,
+        "versions_on_disk": 10,
+        "met": True,
+    }
     assert result["catch_up"]["seconds_to_applied"] > 0
     tables = result["database"]["tables"]
     assert tables["polyserve_spaces"]["rows"] == 50 + 2  # the seeded, the two deployed

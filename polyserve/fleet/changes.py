@@ -274,11 +274,17 @@ def _refuse_unfit(conn: psycopg.Connection, space: str, size: int, fit: Fit) -> 
         f" WHERE left_at IS NULL AND ({LIVE} OR id = %s) ORDER BY id",
         (fit.live_s, fit.host),
     ).fetchall()
-    row = conn.execute(
-        "SELECT count(*) FROM polyserve_spaces WHERE current_version IS NOT NULL AND name <> %s",
-        (space,),
-    ).fetchone()
-    spaces = (row[0] if row else 0) + 1
+    spaces = 0
+    # Counted only when a host takes a slot for every space as it arrives
+    # (POLYSERVE_FLEET_FILES=all): one that serves what it is asked writes no limit, and
+    # the count's cost grows with the fleet (docs/fleet.md, "How big a fleet gets").
+    if any(h[1] is not None for h in hosts):
+        row = conn.execute(
+            "SELECT count(*) FROM polyserve_spaces"
+            " WHERE current_version IS NOT NULL AND name <> %s",
+            (space,),
+        ).fetchone()
+        spaces = (row[0] if row else 0) + 1
 
     def over(column: int, amount: int, unit: int) -> list[tuple[str, int]]:
         """The hosts whose limit in `column` (in `unit`s) is below `amount`, and it."""

@@ -139,7 +139,8 @@ class Follower:
             self._replaced()
             return
         self.baseline = baseline
-        self.db.limits(s.host_id, self.boot.id, s.max_spaces, s.max_upload_mb, s.max_unpacked_mb)
+        spaces = None if s.lazy_slots else s.max_spaces  # then: how many it serves at once
+        self.db.limits(s.host_id, self.boot.id, spaces, s.max_upload_mb, s.max_unpacked_mb)
         skips = self.db.skipped().get(s.host_id, [])
         self.catchup.skipped = {skip["space"] for skip in skips}
 
@@ -215,7 +216,7 @@ def main() -> None:
     die_with_parent(signal.SIGTERM)
     settings = load()
     s = settings
-    store = Store(s.data_dir, s.max_spaces, s.keep_versions, s.disk_budget_mb << 20)
+    store = Store(s.data_dir, s.max_spaces, s.keep_versions, s.disk_budget_mb << 20, s.lazy_slots)
     table = Table.attach(segment_name(str(store.root)))
     if table is None or os.getppid() == 1:
         sys.exit("polyserve follower: no master (its table is gone)")

@@ -87,9 +87,13 @@ class Hosts(Connection):
             )
             return cur.rowcount == 1
 
-    def limits(self, host: str, boot: str, spaces: int, upload_mb: int, unpacked_mb: int) -> None:
+    def limits(
+        self, host: str, boot: str, spaces: int | None, upload_mb: int, unpacked_mb: int
+    ) -> None:
         """This boot's POLYSERVE_MAX_SPACES, _MAX_UPLOAD_MB and _MAX_UNPACKED_MB, which a
-        deploy must fit while this host is live."""
+        deploy must fit while this host is live; `spaces` None for a host whose slots go
+        to what it serves (Settings.lazy_slots): the fleet's count of spaces is no limit
+        of its."""
         with self.session() as conn:
             conn.execute(
                 "UPDATE polyserve_hosts SET max_spaces = %s, max_upload_mb = %s,"

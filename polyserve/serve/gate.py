@@ -26,6 +26,7 @@ from hmac import compare_digest
 
 from polyserve.state import access as access_mod
 from polyserve.state.shm import Table
+from polyserve.state.slots import NO_SLOT
 from polyserve.state.store import Store
 
 PUBLIC = -1  # what check() returns for a public space: no key cell to count
@@ -83,14 +84,19 @@ class Gate:
         return self._private(space, seen, headers)
 
     def _read(self, space: str, before: _Seen | None) -> _Seen | None:
-        """The space's access as its file says now; None (nothing kept) without a slot."""
+        """The space's access as its file says now; None when it is not deployed. A
+        space deployed with no slot here (a fleet host's, until its first request claims
+        one) is checked from its file and nothing is kept: no word would say when the
+        file changes."""
         slots = self.store.slots
         slots.refresh()  # a slot handed to another space since: this space has none
         slot = slots.slot(space)
         if slot is None:
             self._seen.pop(space, None)
-            return None
-        word = self.words[slot]  # before the read: a change after it moves the word again
+            if self.store.current(space) is None:
+                return None
+        # Read before the file: a change after the read moves the word again.
+        word = self.words[slot] if slot is not None else 0
         found = access_mod.read(self.store.root, space)
         keys: dict[bytes, _Key] | None = None
         if found is not None and found.private:
@@ -98,8 +104,10 @@ class Gate:
             now = self.clock()
             made = [_key(k, old.get(str(k.get("id"))), now) for k in found.keys]
             keys = {k.digest: k for k in made}
-        seen = _Seen(slot, word, keys, {k.id: k for k in (keys or {}).values()})
-        self._seen[space] = seen
+        by_id = {k.id: k for k in (keys or {}).values()}
+        seen = _Seen(NO_SLOT if slot is None else slot, word, keys, by_id)
+        if slot is not None:
+            self._seen[space] = seen
         return seen
 
     def _private(self, space: str, seen: _Seen, headers: list[tuple[bytes, bytes]]) -> int:

@@ -68,8 +68,9 @@ class Held:
         # Told after each collection (a GPU worker's device memory: polyserve.serve.devcap).
         self.collected: Callable[[], None] = lambda: None
         # Version numbers held per space (draining and loading ones included); the
-        # oldest is written in the shared table (Broadcast.hold).
+        # oldest of each slot is written in the shared table (Broadcast.hold).
         self._held: dict[str, list[int]] = {}
+        self._slot: dict[str, int] = {}  # the slot each space's holds are in
         heap.settle()  # what a collection frees must leave the RSS, whoever allocated it
         self._collect_at: asyncio.TimerHandle | None = None
         self._collected = 0.0  # loop time of the last collection
@@ -115,19 +116,30 @@ class Held:
     def _hold(self, space: str, slot: int, number: int) -> None:
         held = self._held.setdefault(space, [])
         held.append(number)
-        self.broadcast.hold(slot, min(held))
+        self._slot[space] = slot
+        self._write_hold(slot)
 
     def unhold(self, space: str, slot: int, number: int) -> None:
         held = self._held[space]
-        if held == [number]:
+        if held == [number] and not self._others_in(space, slot):
             # The last version held: this ends the stretch (a swap keeps it going; one
             # whose old version went first, then failed, ends it here). Folded before
             # the hold is dropped: a slot nobody holds may be handed to another space.
             self.meter.released(slot)
         held.remove(number)
         if not held:
-            del self._held[space]
-        self.broadcast.hold(slot, min(held, default=0))
+            del self._held[space], self._slot[space]
+        self._write_hold(slot)
+
+    def _others_in(self, space: str, slot: int) -> bool:
+        return any(s != space and at == slot for s, at in self._slot.items())
+
+    def _write_hold(self, slot: int) -> None:
+        """The oldest version this worker holds in the slot, into the table. Two spaces
+        share a slot here only for a moment: a fleet host's slot handed over while this
+        worker held its old owner's version, which the load then lets go (Loads._load)."""
+        oldest = [min(self._held[s]) for s, at in self._slot.items() if at == slot]
+        self.broadcast.hold(slot, min(oldest, default=0))
 
     # -- letting a version go -----------------------------------------------------------
 

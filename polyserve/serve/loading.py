@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import anyio
 import anyio.to_thread
@@ -16,8 +17,10 @@ from polyserve.serve import heap, loader
 from polyserve.serve.devcap import DeviceMemory
 from polyserve.serve.held import Active, Held
 from polyserve.serve.memcap import MemoryCap, NoRoom
-from polyserve.state import budget
+from polyserve.state import budget, rollouts
+from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
+from polyserve.state.layout import current_number
 from polyserve.state.store import Store, Version
 from polyserve.usage.meter import Cell, Meter, anon_bytes
 
@@ -26,6 +29,18 @@ log = logging.getLogger("polyserve")
 
 class NotDeployed(Exception):
     """No version of this space is published (never deployed, deleted, or a bad name)."""
+
+
+class TableFull(Exception):
+    """A fleet host's first request for a space, with every slot of the table held by a
+    space some worker has loaded: answered 503 with Retry-After, counted nowhere."""
+
+    def __init__(self, space: str, slots: int) -> None:
+        super().__init__(
+            f"space {space} has no slot on this host: each of its table's {slots} slots"
+            " (POLYSERVE_MAX_SPACES) is held by a space a worker has loaded; retry once one"
+            " is released (POLYSERVE_IDLE_TTL), or raise POLYSERVE_MAX_SPACES"
+        )
 
 
 class NotKept(Exception):
@@ -99,9 +114,11 @@ class Loads:
         self.pool = pool
         # A GPU worker's device memory: measured around each load, under its own cap.
         self.device = device
+        self.changes = Changes(store, broadcast)  # a slot claimed on a first request
         self.tasks: dict[str, asyncio.Task[Active]] = {}  # the load under way, by space
-        # A slot changes only when a deleted space's slot is handed over; a load
-        # checks, and every hand-over bumps the slot's generation, which forces one.
+        # A slot changes only when it is handed over (a deleted space's, or on a
+        # lazy_slots host an unheld one's); a load checks, and every hand-over bumps the
+        # slot's generation, which forces one.
         self.slots: dict[str, int] = {}
         # Another pool's spaces, with the generation at which that was found: until the
         # word moves (a deploy or a delete), a request for one is sent elsewhere at once.
@@ -114,13 +131,17 @@ class Loads:
         slot = self.slots.get(key)
         if slot is None:
             slot = self._find_slot(key)
+            if slot is None:  # deployed, with no slot here yet: the load claims one
+                return self.tasks.get(key) or self.start(key, None, 0)
         generation = self.broadcast.generation(slot)
         other = self._other_pool.get(key)
         if other is not None and other[0] == generation and self.pool is not None:
             raise OtherPool(split_key(key)[0], other[1], self.pool)
         return self.tasks.get(key) or self.start(key, slot, generation)
 
-    def _find_slot(self, key: str) -> int:
+    def _find_slot(self, key: str) -> int | None:
+        """The key's slot, or None for a deployed space without one here (a fleet
+        host's, until its first request claims one)."""
         space = split_key(key)[0]
         try:
             parse_space(space)
@@ -128,7 +149,14 @@ class Loads:
             raise NotDeployed(space) from None
         slot = self.store.slots.slot(space)
         if slot is None:
-            raise NotDeployed(space)
+            # Read before any thread or lock is taken: a request for a space that is
+            # not deployed costs what it did.
+            if current_number(self.store.space_dir(space)) is None:
+                raise NotDeployed(space)
+            return None
+        return self._slot_found(key, slot)
+
+    def _slot_found(self, key: str, slot: int) -> int:
         if slot >= self.broadcast.table.space_slots:
             raise loader.LoadError(
                 f"space slot {slot} is outside the shared table: raise POLYSERVE_MAX_SPACES"
@@ -136,7 +164,40 @@ class Loads:
         self.slots[key] = slot
         return slot
 
-    def start(self, key: str, slot: int, generation: int) -> asyncio.Task[Active]:
+    def _check_pool(self, space: str) -> None:
+        """Another pool's space is sent elsewhere before it takes a slot here."""
+        found = self.store.current(space) if self.pool is not None else None
+        if found is not None and found.pool != self.pool:
+            raise OtherPool(space, found.pool, str(self.pool))
+
+    async def _claimed(self, key: str) -> int:
+        """The key's slot, claimed under the store lock if the space has none here."""
+        space = split_key(key)[0]
+        then = partial(rollouts.claimed, self.store, self.broadcast.table, space)
+        try:
+            slot = await anyio.to_thread.run_sync(
+                self.changes.claim, space, then, limiter=self.host_limiter
+            )
+        except ClientError as exc:
+            if exc.status != 507:
+                raise
+            raise TableFull(space, self.store.max_spaces) from None
+        if slot is None:
+            raise NotDeployed(space)
+        return self._slot_found(key, slot)
+
+    async def _still_owned(self, space: str, slot: int) -> bool:
+        """Whether the slot is still the space's, read under the store lock once this
+        worker holds a version in it: a hand-over (which reads the holds under that
+        lock) either came before and is seen here, or comes after and sees the hold."""
+
+        def owned() -> bool:
+            with self.store.locked():
+                return self.store.slots.slot(space) == slot
+
+        return await anyio.to_thread.run_sync(owned, limiter=self.host_limiter)
+
+    def start(self, key: str, slot: int | None, generation: int) -> asyncio.Task[Active]:
         """Load once per key at a time, however many requests and signals ask for it."""
         task = asyncio.create_task(self._load_once(key, slot, generation))
         self.tasks[key] = task
@@ -145,7 +206,7 @@ class Loads:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
-    async def _load_once(self, key: str, slot: int, generation: int) -> Active:
+    async def _load_once(self, key: str, slot: int | None, generation: int) -> Active:
         try:
             return await self._load(key, slot, generation)
         except (loader.LoadError, NoRoom) as exc:
@@ -156,16 +217,23 @@ class Loads:
             # lease() await it without yielding, in a loop that never ends.
             del self.tasks[key]
 
-    async def _load(self, key: str, slot: int, generation: int) -> Active:
+    async def _load(self, key: str, slot: int | None, generation: int) -> Active:
         held = self.held
         space, number = split_key(key)
         current = held.active.get(key)
-        self.store.slots.refresh()
-        if self.store.slots.slot(space) != slot:  # the space was deleted and its slot handed over
+        if slot is not None:
+            self.store.slots.refresh()
+        if slot is None or self.store.slots.slot(space) != slot:
+            # No slot here yet, or it was handed over (the space deleted, or released
+            # here on a lazy_slots host): found again, or claimed.
             if current is not None:
                 held.retire(current)
+                current = None
             self.slots.pop(key, None)  # lease() looks it up again
             slot = self._find_slot(key)
+            if slot is None:
+                self._check_pool(space)
+                slot = await self._claimed(key)
             generation = self.broadcast.generation(slot)
         if number is None:
             version = held.current(space, slot)
@@ -181,6 +249,11 @@ class Loads:
             if current is not None:
                 held.retire(current)
             raise NotDeployed(space)
+        if current is None and self.store.lazy_slots and not await self._still_owned(space, slot):
+            # Handed over before the hold: this space claims a slot again.
+            held.unhold(space, slot, version.number)
+            self.slots.pop(key, None)
+            return await self._load(key, None, 0)
         if self.pool is not None and version.pool != self.pool:
             # Checked on the cold path only: a loaded space costs its requests nothing.
             held.unhold(space, slot, version.number)

@@ -13,7 +13,7 @@ from starlette.types import Receive, Scope, Send
 
 from polyserve.errors import ClientError
 from polyserve.serve import loader
-from polyserve.serve.loading import NotDeployed, NotKept, OtherPool
+from polyserve.serve.loading import NotDeployed, NotKept, OtherPool, TableFull
 from polyserve.serve.memcap import NO_ROOM_RETRY_S, NoRoom
 
 if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays for that
@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # the fleet's modules import psycopg: only a fleet host pays 
 log = logging.getLogger("polyserve")
 # Retry-After (s) of a space whose files this fleet host cannot fetch now.
 FILES_RETRY_S = 5
+# Retry-After (s) of a space that found no free slot in this fleet host's table.
+TABLE_FULL_RETRY_S = 5
 
 
 def refusal(
@@ -53,6 +55,9 @@ def refusal(
         # a failed load, so the usage shows what the cap costs a space.
         retry = {"retry-after": str(NO_ROOM_RETRY_S)}
         return slot, 503, {"error": str(exc), "space": space}, retry
+    if isinstance(exc, TableFull):  # no slot to count it in
+        retry = {"retry-after": str(TABLE_FULL_RETRY_S)}
+        return None, 503, {"error": str(exc), "space": space}, retry
     if isinstance(exc, loader.FilesAway):
         retry = {"retry-after": str(FILES_RETRY_S)}
         return slot, 503, {**exc.details, "space": space}, retry

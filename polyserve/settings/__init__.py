@@ -66,6 +66,12 @@ class Settings:
     deps_timeout: float
     deps_max_mb: int
 
+    @property
+    def lazy_slots(self) -> bool:
+        """Whether this host takes a space's table slot on its first request here rather
+        than as its deploy arrives: a fleet host that fetches only what it serves."""
+        return bool(self.database_url) and self.fleet_files == "served"
+
 
 def load(env: Mapping[str, str] | None = None) -> Settings:
     """Read every setting from env (default: os.environ); a bad value names its variable.

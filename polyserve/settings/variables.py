@@ -237,7 +237,10 @@ SETTINGS: tuple[Setting, ...] = (
         "max_spaces",
         positive_int,
         const(4096),
-        "Space slots in the shared table; a deploy of a new space past it answers 507.",
+        "Space slots in the shared table; a deploy of a new space past it answers 507. On a"
+        " fleet host with POLYSERVE_FLEET_FILES=served: the spaces it serves at once (a"
+        " space takes a slot on its first request there, the slot of one no worker holds"
+        " when the table is full, else a 503).",
     ),
     Setting(
         "keep_versions",

@@ -15,6 +15,7 @@ from functools import partial
 from polyserve.state import access as access_mod
 from polyserve.state.access import Access
 from polyserve.state.broadcast import Broadcast
+from polyserve.state.slots import NO_SLOT
 from polyserve.state.store import Staged, Store
 from polyserve.usage import meter
 
@@ -44,10 +45,34 @@ class Changes:
         """After `current` moved, the lock still held: bump the space's generation, so
         every worker's next request sees the change, and prune what no worker holds
         (after the bump, so what a worker holds stays). The access word moves too: a
-        slot handed to another space, or a space deleted, has other access now."""
+        slot handed to another space, or a space deleted, has other access now. A space
+        with no slot here (NO_SLOT) has no worker holding it: nothing to bump."""
+        if slot == NO_SLOT:
+            self.store.prune(space, None)
+            return
         self.broadcast.bump(slot)
         self.broadcast.bump_access(slot)
         self.store.prune(space, self.broadcast.oldest_held(slot))
+
+    def claim(self, space: str, then: Callable[[int], None] = lambda _slot: None) -> int | None:
+        """The space's slot, taken now if it has none here (a lazy_slots fleet host, on
+        the space's first request); None when it is not deployed. Under the store lock,
+        as every move of `current` is: a change after this bumps the slot, one before it
+        is what the load that follows finds current. Raises ClientError 507 when the
+        table is full and no slot can be handed over. `then` is told a slot just taken,
+        the lock still held."""
+        with self.store.locked():
+            if self.store.current(space) is None:
+                return None
+            slot = self.store.slots.slot(space)
+            if slot is None:
+                slot = self.store.claim_slot(space, self.reclaim)
+                # Handed over from a space that no worker holds: whoever cached it as
+                # that space's looks again, and its rollout's word is not this space's.
+                self.broadcast.table.rollouts[slot] = 0
+                self.moved(space, slot)
+                then(slot)
+        return slot
 
     def publish(
         self,
@@ -86,9 +111,10 @@ class Changes:
         with self.store.locked():
             slot = self.store.slots.slot(space)
             current = self.store.current(space)
-            if slot is None or current is None:
+            if current is None:
                 return False
-            self.broadcast.release(slot)
+            if slot is not None:  # none here: no worker holds it, none to tell
+                self.broadcast.release(slot)
             self.store.history.record(space, "release", current.number, current.number)
         return True
 
@@ -99,19 +125,21 @@ class Changes:
         its base, so its usage starts from zero (a revoked key may have had the cell)."""
         with self.store.locked():
             slot = self.store.slots.slot(space)
-            if slot is None or self.store.current(space) is None:
+            if self.store.current(space) is None:
                 return None
             root = self.store.root
             before = access_mod.read(root, space) or Access()
             after = edit(before)
             # The bases are this host's: kept for the keys it knew, taken for new ones.
             bases = {(k.get("id"), k.get("cell")): k.get("base") for k in before.keys}
-            counts = meter.key_counts(self.broadcast.table, self.store.slots.ledger(), slot)
+            ledger = self.store.slots.ledger()
+            counts = meter.key_counts(self.broadcast.table, ledger, slot, space)
             for key in after.keys:
                 base = bases.get((key.get("id"), key.get("cell")))
                 key["base"] = counts[int(key.get("cell", 0))] if base is None else base
             access_mod.write(root, space, after)
-            self.broadcast.bump_access(slot)
+            if slot is not None:  # none here: its first request reads the file
+                self.broadcast.bump_access(slot)
         return after
 
     def secrets(self, space: str, write: Callable[[], None]) -> bool:
@@ -121,12 +149,13 @@ class Changes:
         not deployed (nothing written). Announce after it, as after a release."""
         with self.store.locked():
             slot = self.store.slots.slot(space)
-            if slot is None or self.store.current(space) is None:
+            if self.store.current(space) is None:
                 return False
             write()
             # Not recorded in the history: it tells what each version served, and a
-            # secret's change moves no version.
-            self.broadcast.release(slot)
+            # secret's change moves no version. No slot here: no worker holds it.
+            if slot is not None:
+                self.broadcast.release(slot)
         return True
 
     def announce(self) -> int:

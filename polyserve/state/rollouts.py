@@ -261,6 +261,18 @@ def step_counts(table: Table, slot: int, state: dict[str, Any]) -> dict[str, Any
     return found
 
 
+def claimed(store: Store, table: Table, space: str, slot: int) -> None:
+    """A space took a slot on this host (its first request here, on a fleet host): a
+    live rollout of it counts its step from the slot's counts now, which may be those of
+    the space that had the slot before, and its word is set at once. Hold the store lock."""
+    state = read(store.root, space)
+    if state is None or state["status"] not in LIVE:
+        return
+    state["base"] = counts(table, slot)
+    write(store.root, state)
+    table.rollouts[slot] = word_of(state)
+
+
 def _end(
     store: Store, table: Table, state: dict[str, Any], status: str, reason: str, now: float
 ) -> None:

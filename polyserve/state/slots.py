@@ -18,6 +18,9 @@ from pathlib import Path
 
 from polyserve.errors import ClientError
 
+# What a space deployed on a fleet host has for a slot until its first request there.
+NO_SLOT = -1
+
 # Given a deleted space's slot: its final usage totals, or None while it is in use.
 Reclaim = Callable[[int], tuple[int, ...] | None]
 

@@ -32,7 +32,7 @@ from polyserve.state.files import symlink_atomic, write_atomic
 from polyserve.state.history import Event, History, rollback_target
 from polyserve.state.layout import Layout, current_number, read_int
 from polyserve.state.layout import Version as Version  # re-exported: workers import it here
-from polyserve.state.slots import Reclaim, SlotLog
+from polyserve.state.slots import NO_SLOT, Reclaim, SlotLog
 from polyserve.state.unpack import unpack_upload
 
 log = logging.getLogger("polyserve")
@@ -71,6 +71,7 @@ class Store(Layout):
         max_spaces: int,
         keep_versions: int = DEFAULT_KEEP_VERSIONS,
         disk_budget: int = 0,
+        lazy_slots: bool = False,
     ) -> None:
         super().__init__(data_dir)
         self.max_spaces = max_spaces
@@ -78,6 +79,10 @@ class Store(Layout):
         # Bytes the version files may take, 0: no limit (a fleet host's only, whose files
         # the fleet keeps too: polyserve/state/budget.py).
         self.disk_budget = disk_budget
+        # A fleet host that serves what it is asked (Settings.lazy_slots): a space's
+        # change moves its pointer without a slot, which its first request here takes
+        # (claim_slot), and a full table hands over the slot of a space no worker holds.
+        self.lazy_slots = lazy_slots
         for d in (self.spaces_dir, self.staging_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.slots = SlotLog(self.root / "slots.log", max_spaces)
@@ -106,6 +111,9 @@ class Store(Layout):
         with open(self.root / "store.lock", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
+                # Another process may have taken or handed over a slot since this one
+                # last read the log: what is done under the lock sees the slots as they are.
+                self.slots.refresh()
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
@@ -122,7 +130,8 @@ class Store(Layout):
         """Move a validated stage into place and flip `current` (with current=False,
         keep it beside the current one: a rollout's new version). Hold locked(); returns
         (slot, version number). The number is the space's next one, or the one a fleet
-        gave it. Pruning is the caller's: only it knows what is held."""
+        gave it; the slot is NO_SLOT on a lazy_slots host that has none for the space
+        yet. Pruning is the caller's: only it knows what is held."""
         sdir = self.space_dir(space)
         if number is None:
             number = read_int(sdir / "last") + 1
@@ -175,11 +184,12 @@ class Store(Layout):
         """Make version `number` (with this metadata) current; its files may come later
         (a fleet host fetches them on first use). A number past the last one handed out
         is a deploy, any other a rollback: the history says which. Hold locked();
-        returns the slot."""
+        returns the slot, or NO_SLOT on a lazy_slots host where the space has none (its
+        first request here takes one, after this: it finds this version current)."""
         sdir = self.space_dir(space)
         with disk_full_is_507():
             slot = self.slots.slot(space)
-            if slot is None:
+            if slot is None and not self.lazy_slots:
                 slot = self.slots.allocate(space, self._deleted, reclaim, sync=sync)
             known = self.meta(space, number)
             if known is not None and known.get("sha256") != meta.get("sha256"):
@@ -195,18 +205,27 @@ class Store(Layout):
                 event = "deploy"
             symlink_atomic(f"versions/{number}", sdir / "current")
             self.history.record(space, event, number, previous)
-        return slot
+        return NO_SLOT if slot is None else slot
+
+    def claim_slot(self, space: str, reclaim: Reclaim) -> int:
+        """A slot for a deployed space that has none here (a lazy_slots host's, on the
+        space's first request): a new one while the table has room, then one handed over
+        with its totals from a space no worker holds (on a lazy_slots host any such
+        space's, since its next request here claims a slot again; elsewhere a deleted
+        space's). Hold locked(); raises ClientError 507 when none can be had."""
+        deleted = (lambda _owner: True) if self.lazy_slots else self._deleted
+        return self.slots.allocate(space, deleted, reclaim)
 
     def keep(self, space: str, number: int, meta: dict[str, object]) -> int:
         """Store version `number`'s metadata as a kept version without moving `current`
         (a deploy with current=false: a rollout makes it current later). It waits for
         its rollout: no history ranks it, so pruning keeps it by name until unpin() (its
         rollout's end), a move of `current` to it, or a later keep() in its place. Hold
-        locked(); returns the slot. Raises ClientError 409 when the space is not
-        deployed: a rollout needs a current version to start from."""
+        locked(); returns the slot (NO_SLOT: none here yet). Raises ClientError 409 when
+        the space is not deployed: a rollout needs a current version to start from."""
         sdir = self.space_dir(space)
         slot = self.slots.slot(space)
-        if slot is None or current_number(sdir) is None:
+        if current_number(sdir) is None:
             raise ClientError(
                 409,
                 f"space {space} is not deployed: deploy it first without current=false",
@@ -217,7 +236,7 @@ class Store(Layout):
             if number > read_int(sdir / "last"):
                 write_atomic(sdir / "last", str(number).encode())
             write_atomic(sdir / "waiting", str(number).encode(), fsync=True)
-        return slot
+        return NO_SLOT if slot is None else slot
 
     def reactivate(self, space: str, asked: int | None) -> tuple[int, int, int, dict[str, object]]:
         """A rollback: make a kept version (`asked`, or the one the current version
@@ -240,8 +259,8 @@ class Store(Layout):
 
     def delete(self, space: str) -> int | None:
         """Undeploy: drop `current`, the space's logs and its secrets; prune() removes
-        the versions once nobody uses them. Hold locked(); returns the slot, or None when
-        the space is not deployed."""
+        the versions once nobody uses them. Hold locked(); returns the slot (NO_SLOT: it
+        had none here), or None when the space is not deployed."""
         # Its logs go at once: a redeployed space starts a new log (records its draining
         # requests write meanwhile are dropped: see LogStore.open).
         shutil.rmtree(self.logs_dir / space, ignore_errors=True)
@@ -257,7 +276,8 @@ class Store(Layout):
         (self.space_dir(space) / "waiting").unlink(missing_ok=True)
         self.history.record(space, "delete", None, previous)
         access.drop(self.root, space)  # a space deployed again under the name starts public
-        return self.slots.slot(space)
+        slot = self.slots.slot(space)
+        return NO_SLOT if slot is None else slot
 
     def pin(self, space: str, number: int) -> list[int]:
         """Keep kept version `number` from pruning until unpin() (a rollout pins the

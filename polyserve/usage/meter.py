@@ -423,14 +423,18 @@ def snapshot(table: Table, ledger: Ledger, now: int) -> Snapshot:
     )
 
 
-def key_counts(table: Table, ledger: Ledger, slot: int) -> list[int]:
-    """A slot's KEY_CELLS counts over every row, as the usage answer reads them (with
-    the ledger's offset of a handed-over slot)."""
+def key_counts(table: Table, ledger: Ledger, slot: int | None, space: str) -> list[int]:
+    """A space's KEY_CELLS counts over every row, as the usage answer reads them (with
+    the ledger's offset of a handed-over slot); with no slot here, what it used in the
+    slots it had (the next slot it takes counts on from there)."""
+    first = _TOTAL_CELLS.index(KEY_REQUESTS)
+    if slot is None:
+        used = _widen(ledger.retired.get(space, ()))
+        return list(used[first : first + KEY_CELLS])
     cells = table.cell_array()[:, slot, KEY_REQUESTS:LANE_REQUESTS].sum(axis=0)
     offset = ledger.offsets.get(slot)
     if offset is not None:
         widened = _widen(offset)
-        first = _TOTAL_CELLS.index(KEY_REQUESTS)
         cells = cells + np.array(widened[first : first + KEY_CELLS], dtype=np.int64)
     return [int(v) for v in cells]
 

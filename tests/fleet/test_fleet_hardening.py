@@ -103,10 +103,13 @@ def test_a_space_deployed_after_a_delete_takes_the_deleted_slot_on_every_host(
 
 
 def test_a_deploy_a_live_host_cannot_take_is_refused_before_it_is_committed(host_factory, fleet_db):
-    """B takes smaller uploads and fewer spaces than A: a deploy through A that B could
+    """B takes smaller uploads and fewer spaces than A (a slot for every space deployed,
+    with POLYSERVE_FLEET_FILES=all): a deploy through A that B could
     not apply is refused (413, 507) naming B and its setting, nothing is committed, the
     previous version keeps serving on both, and the next deploy that fits reaches both."""
-    a, b = big_and_small(host_factory, fleet_db, POLYSERVE_MAX_SPACES="1")
+    a, b = big_and_small(
+        host_factory, fleet_db, POLYSERVE_MAX_SPACES="1", POLYSERVE_FLEET_FILES="all"
+    )
     deployed(a, "lee/big", 1, EVERYONE)
     last = fleet(a)["last_change"]
 
@@ -171,7 +174,12 @@ def test_a_deploy_answers_at_once_when_a_live_host_skipped_it(host_factory, flee
     waits), B stays live, and once the request is done a new deploy reaches B."""
     started, go = tmp_path / "started", tmp_path / "go"
     a, b = start_fleet(
-        host_factory, fleet_db, "ab", POLYSERVE_MAX_SPACES="2", POLYSERVE_DEPLOY_WAIT_S="600"
+        host_factory,
+        fleet_db,
+        "ab",
+        POLYSERVE_MAX_SPACES="2",
+        POLYSERVE_DEPLOY_WAIT_S="600",
+        POLYSERVE_FLEET_FILES="all",  # every deploy takes a slot as it arrives
     )
     r = deploy(a, "lee/s1", SLOW.format(started=str(started), go=str(go)))
     assert r.status_code == 200, r.text

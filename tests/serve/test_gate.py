@@ -3,15 +3,20 @@ with an injected clock: what it lets through, refuses, and when it reads access 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
 
 from polyserve.serve.gate import PUBLIC, Gate, Refused
 from polyserve.state import access
+from polyserve.state.apply import Changes
+from polyserve.state.broadcast import Broadcast
 from polyserve.state.shm import Table
+from polyserve.state.slots import NO_SLOT
 from polyserve.state.store import Store
 from polyserve.usage.meter import CELLS
+from tests.helpers import make_tar
 
 
 class Clock:
@@ -96,3 +101,25 @@ def test_a_space_without_a_slot_is_not_kept(world) -> None:
     _, _, gate, _ = world
     assert gate.check("never/deployed", headers(None)) == PUBLIC
     assert "never/deployed" not in gate._seen
+
+
+def test_a_space_with_no_slot_here_is_checked_from_its_file(tmp_path: Path) -> None:
+    """A fleet host's space deployed with no slot here yet (lazy_slots): Changes.access
+    writes its file with no word to move, and the gate reads it at each request, so a
+    private space is refused from its first request and a revoke is in force at once."""
+    store, table = Store(tmp_path, 4, 3, lazy_slots=True), Table.anonymous(1, 4, CELLS)
+    changes = Changes(store, Broadcast(table, 0))
+    staged = store.stage(io.BytesIO(make_tar({"main.py": ""})), "s.tar", 1 << 20)
+    with store.locked():
+        assert store.publish("o/t", staged, {})[0] == NO_SLOT
+    gate = Gate(store, table, Clock())
+    assert gate.check("o/t", headers(None)) == PUBLIC
+    state, minted = access.mint(access.Access(private=True), "o/t", None)
+    assert changes.access("o/t", lambda _before: state) is not None
+    with pytest.raises(Refused):
+        gate.check("o/t", headers(None))
+    assert gate.check("o/t", headers(str(minted["key"]))) == 0
+    changes.access("o/t", lambda before: access.revoke(before, "o/t", str(minted["id"])))
+    with pytest.raises(Refused):
+        gate.check("o/t", headers(str(minted["key"])))
+    assert store.slots.slot("o/t") is None  # none of this took a slot

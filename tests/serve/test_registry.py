@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 
 from polyserve.serve import loader
+from polyserve.serve.loading import TableFull
 from polyserve.serve.registry import NoRoom, NotDeployed, NotKept, OtherPool, Registry
 from polyserve.state import budget
 from polyserve.state.apply import Changes
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.shm import Table
 from polyserve.state.store import Store, Version
-from polyserve.usage.meter import CELLS, Cell, Meter
+from polyserve.usage.meter import CELLS, Cell, Meter, totals_by_name
 from tests.helpers import Ballast, make_tar
 
 TTL = 100.0
@@ -42,9 +43,9 @@ class Clock:
 class World:
     """A store, a table and one worker's registry."""
 
-    def __init__(self, tmp_path: Path) -> None:
-        self.store = Store(tmp_path / "data", max_spaces=8)
-        self.table = Table.anonymous(1, 8, CELLS)
+    def __init__(self, tmp_path: Path, slots: int = 8, lazy_slots: bool = False) -> None:
+        self.store = Store(tmp_path / "data", max_spaces=slots, lazy_slots=lazy_slots)
+        self.table = Table.anonymous(1, slots, CELLS)
         self.broadcast = Broadcast(self.table, row=0)
         self.clock = Clock()
         self.meter = Meter(self.table, 0, clock=lambda: int(self.clock.now * 1_000_000))
@@ -325,6 +326,52 @@ def test_idle_spaces_are_released_after_the_ttl(world, monkeypatch):
     gc.collect()
     assert module() is None
     assert run(world.call("o/s")) == 1 and calls == ["o/s", "o/s"]
+
+
+def test_a_fleet_hosts_worker_takes_slots_on_first_requests_and_hands_idle_ones_over(tmp_path):
+    """lazy_slots, 2 slots, 3 spaces deployed with none: each first request takes a slot;
+    with both held the third space's is TableFull; once one is released for idleness
+    its slot goes to the third space, whose load finds its current version, and every
+    space's usage stays its own by name."""
+    world = World(tmp_path, slots=2, lazy_slots=True)
+    for i in range(3):
+        world.deploy(f"o/s{i}", version(i))
+    assert world.store.slots.ledger().names == []
+
+    async def main():
+        assert [await world.call("o/s0"), await world.call("o/s1")] == [0, 1]
+        with pytest.raises(TableFull):
+            await world.call("o/s2")
+        world.clock.now = 1.0
+        await world.call("o/s1")  # o/s0 is the one idle for the TTL
+        assert await world.reap_at(TTL) == ["o/s0"]
+        world.deploy("o/s2", version(22))  # before its slot: its load finds this one
+        assert await world.call("o/s2") == 22
+        assert world.store.slots.slot("o/s2") == 0 and world.store.slots.slot("o/s0") is None
+        assert await world.call("o/s1") == 1
+
+    run(main())
+    now = world.meter.clock()
+    cells = (Cell.LOADS, Cell.RELEASED_IDLE)
+    by_name = totals_by_name(world.table, world.store.slots.ledger(), now, cells)
+    assert by_name == {"o/s0": (1, 1), "o/s1": (1, 0), "o/s2": (1, 0)}
+
+
+def test_a_hold_let_go_in_a_slot_handed_over_meanwhile_keeps_the_new_owners(tmp_path):
+    """Two spaces' holds in one slot of one worker (a fleet host's slot handed over while
+    the worker held its old owner's version): letting the old owner's go leaves the new
+    owner's hold in the table, so its slot is not handed over again under its load."""
+    world = World(tmp_path, lazy_slots=True)
+    world.deploy("o/old", version(1))
+    for _ in range(3):
+        world.deploy("o/new", version(2))
+    held = world.registry.held
+    old, new = held.current("o/old", 0), held.current("o/new", 0)
+    assert old is not None and new is not None and (old.number, new.number) == (1, 3)
+    held.unhold("o/old", 0, 1)
+    assert world.broadcast.oldest_held(0) == 3
+    held.unhold("o/new", 0, 3)
+    assert world.broadcast.oldest_held(0) is None
 
 
 def test_in_flight_requests_keep_a_space_alive(world):

@@ -1,4 +1,4 @@
-"""A rollout's request body and its step's decision, without a host."""
+"""A rollout's request body, its step's decision and its base, without a host."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import pytest
 
 from polyserve.errors import ClientError
 from polyserve.state import rollouts
+from polyserve.state.shm import Table
+from polyserve.state.store import Store
+from polyserve.usage.meter import CELLS, Cell
 
 
 def test_a_body_gets_the_defaults_and_a_lowercased_sticky_header():
@@ -66,3 +69,19 @@ def test_within_the_threshold_it_goes_on_and_at_100_it_completes():
     assert rollouts.decide(s, counts((0, 0), (9, 9)), 2.0) == "completed"
     assert s["reason"] == "version 2 is current"
     assert [h["weight"] for h in s["history"]] == [10, 50]
+
+
+def test_a_slot_taken_during_a_rollout_counts_its_step_from_the_slot_then(tmp_path):
+    """A fleet host's space with no slot here when its rollout arrived (base 0) takes
+    a slot that another space used: the step counts from the slot's counts then, so the
+    other space's requests are not the rollout's, and the rollout's word is set."""
+    store, table = Store(tmp_path, 4, lazy_slots=True), Table.anonymous(1, 4, CELLS)
+    table.cell_array()[0, 2, Cell.REQUESTS] = 40  # the slot's previous owner's
+    table.cell_array()[0, 2, Cell.ERRORS] = 3
+    live = {**state(space="o/s", status="running", started_at=1.0), "base": [0, 0, 0, 0]}
+    rollouts.write(store.root, live)
+    rollouts.claimed(store, table, "o/s", 2)
+    after = rollouts.read(store.root, "o/s")
+    assert after is not None and after["base"] == [40, 3, 0, 0]
+    assert rollouts.step_counts(table, 2, after)["old"]["requests"] == 0
+    assert table.rollouts[2] == rollouts.word_of(after) != 0

@@ -12,6 +12,7 @@ import pytest
 from polyserve.errors import ClientError
 from polyserve.names import parse_space
 from polyserve.state.history import rollback_target
+from polyserve.state.slots import NO_SLOT
 from polyserve.state.store import Store
 from tests.helpers import make_tar
 
@@ -268,6 +269,30 @@ def test_a_full_table_hands_over_a_deleted_spaces_slot_once_it_is_quiet(store):
     with pytest.raises(ClientError) as err:  # s1 never became quiet: no slot is left
         publish(store, "o/another", {"main.py": ""})
     assert err.value.status == 507
+
+
+def test_a_lazy_slots_store_moves_pointers_without_slots_and_hands_over_unheld_ones(
+    tmp_path: Path,
+):
+    """A fleet host's store (lazy_slots): a publish or a pointer takes no slot (NO_SLOT),
+    claim_slot takes one, and a full table hands over the slot of any space that is
+    quiet, deployed or not, which counts on from its old totals when it claims again."""
+    store = Store(tmp_path / "data", max_spaces=2, lazy_slots=True)
+    for i in range(3):
+        assert publish(store, f"o/s{i}", {"main.py": ""}) == (NO_SLOT, 1)
+    assert store.slots.ledger().names == []
+    quiet = {0: (4, 0, 0, 0, 0, 0), 1: None}  # the first slot's space no worker holds
+    with store.locked():
+        assert [store.claim_slot(f"o/s{i}", quiet.get) for i in range(2)] == [0, 1]
+        assert store.claim_slot("o/s2", quiet.get) == 0  # o/s0 is deployed, and quiet
+    assert store.slots.slot("o/s0") is None and store.current("o/s0") is not None
+    quiet = {0: (4 + 3, 0, 0, 0, 0, 0), 1: (9, 0, 0, 0, 0, 0)}  # o/s2 had 3 requests
+    with store.locked():
+        assert store.claim_slot("o/s0", quiet.get) == 0
+    ledger = Store(store.root, max_spaces=2).slots.ledger()
+    assert ledger.names == ["o/s0", "o/s1"]
+    assert ledger.retired == {"o/s2": (3, 0, 0, 0, 0, 0)}
+    assert ledger.offsets[0][0] == 4 - 7  # raw 7 in the slot: o/s0's 4 from here on
 
 
 # -- history, keeping and rollbacks ----------------------------------------------------
