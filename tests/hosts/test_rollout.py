@@ -209,6 +209,11 @@ def test_bad_rollout_requests_are_422_saying_what_to_send(host):
         answer = rollout(host, "ro/input", **body)
         assert answer.status_code == 422, (body, answer.text)
         assert answer.json()["error"]
+    # Arrays nested deeper than the parser's stack, well under the 64 KiB a body may be.
+    nested = httpx.post(
+        f"{host.url}/_polyserve/spaces/ro/input/rollout", content=b"[" * 60000, timeout=30
+    )
+    assert nested.status_code == 422 and "not JSON" in nested.json()["error"], nested.text
     missing = rollout(host, "ro/input", version=9)
     assert missing.status_code == 404 and missing.json()["kept"] == [1]
     assert host.get("/_polyserve/spaces/ro/input/rollout").status_code == 404
