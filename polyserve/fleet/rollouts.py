@@ -116,8 +116,7 @@ class RolloutRows(Connection):
                 left = float(state.pop("paused_left_s", state["step_s"]))
                 state["step_started_at"] = now - (state["step_s"] - left)
             elif action == "abort":
-                state.pop("paused_left_s", None)
-                state.update(status="aborted", reason="aborted on request", ended_at=now, weight=0)
+                rollouts.over(state, "aborted", "aborted on request", now)
             return _commit(conn, space, state), state
 
     def rollout_report(self, space: str, host: str, state: dict[str, Any], counts: Any) -> None:

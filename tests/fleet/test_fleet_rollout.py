@@ -261,3 +261,29 @@ def test_a_rollouts_view_without_the_database_is_this_hosts_and_says_so(
     assert "unreachable" in found["warning"], found
     requests = {v: c["requests"] for v, c in found["versions"].items()}
     assert requests == {"1": here["one"], "2": here["two"]}, (requests, here)
+
+
+def test_a_deploy_through_another_host_mid_step_ends_the_rollout_fleet_wide(host_factory, fleet_db):
+    """A deploy that moves `current` during a long step ends the rollout in the fleet's
+    row and on every host before its answer: every request then gets the deployed
+    version (never the rollout's new one, and not the rollout's at its end), and a new
+    rollout of the space may start."""
+    a, b = start_fleet(host_factory, fleet_db, "ab")
+    deploy(a, "fr/moved", source("one"))
+    deploy(a, "fr/moved", source("two"), current=False)
+    r = post(a, "fr/moved/rollout", version=2, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    assert deploy(b, "fr/moved", source("three"))["hosts"]["applied"] == 2
+    for host in (a, b):
+        with httpx.Client(base_url=host.url, timeout=30) as client:
+            seen = {client.get("/s/fr/moved/").json()["v"] for _ in range(40)}
+        assert seen == {"three"}, (host.url, seen)
+    until(lambda: all(state(h, "fr/moved")["status"] == "aborted" for h in (a, b)))
+    assert state(a, "fr/moved")["reason"] == "version 3 was made current meanwhile"
+    with psycopg.connect(fleet_db) as conn:
+        (row,) = conn.execute("SELECT state FROM polyserve_rollouts").fetchall()
+    assert row[0]["status"] == "aborted", row[0]
+    deploy(a, "fr/moved", source("four"), current=False)
+    r = post(b, "fr/moved/rollout", version=4, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    assert r.json()["old"] == 3
