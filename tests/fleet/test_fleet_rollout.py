@@ -287,3 +287,29 @@ def test_a_deploy_through_another_host_mid_step_ends_the_rollout_fleet_wide(host
     r = post(b, "fr/moved/rollout", version=4, steps=[50, 100], step_s=3600)
     assert r.status_code == 200, r.text
     assert r.json()["old"] == 3
+
+
+def test_a_rollout_write_a_host_has_not_applied_answers_202_as_its_spec_says(
+    host_factory, fleet_db
+):
+    """With B's follower stopped (still live, so writes wait for it): starting and
+    aborting a rollout through A answer 202 naming B, and the OpenAPI document lists a
+    202 for both, as for the fleet's other writes."""
+    a, b = start_fleet(host_factory, fleet_db, "ab", POLYSERVE_DEPLOY_WAIT_S="1")
+    deploy(a, "fr/lag", source("one"))
+    deploy(a, "fr/lag", source("two"), current=False)
+    spec = a.get("/_polyserve/openapi.json").json()["paths"]
+    follower = b.follower_pid()
+    os.kill(follower, signal.SIGSTOP)
+    try:
+        started = post(a, "fr/lag/rollout", version=2, steps=[50, 100], step_s=3600)
+        aborted = post(a, "fr/lag/rollout/abort")
+    finally:
+        os.kill(follower, signal.SIGCONT)
+    for r, path in (
+        (started, "/_polyserve/spaces/{owner}/{name}/rollout"),
+        (aborted, "/_polyserve/spaces/{owner}/{name}/rollout/{action}"),
+    ):
+        assert r.status_code == 202, r.text
+        assert r.json()["hosts"]["lagging"] == ["b"], r.json()
+        assert "202" in spec[path]["post"]["responses"], (path, spec[path]["post"]["responses"])
