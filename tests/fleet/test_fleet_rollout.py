@@ -106,11 +106,13 @@ def test_a_good_version_completes_fleet_wide_and_becomes_current(host_factory, f
     # The step was decided once, from both hosts' counts.
     (step,) = state(a, "fr/good")["history"]
     assert step["weight"] == 50 and step["new"]["requests"] + step["old"]["requests"] >= 2
-
-    def current_everywhere() -> bool:
-        return all(h.get("/s/fr/good/").json() == {"v": "two"} for h in (a, b))
-
-    until(current_everywhere, what="version 2 current on both hosts")
+    # Version 2 was current before the rollout ended anywhere: its move is logged first,
+    # in the decision's transaction, so a host that shows the end serves version 2.
+    for host in (a, b):
+        assert host.get("/s/fr/good/").json() == {"v": "two"}, host.url
+    with psycopg.connect(fleet_db) as conn:
+        log = conn.execute("SELECT kind, version FROM polyserve_changes ORDER BY id").fetchall()
+    assert log[-2:] == [("deploy", 2), ("rollout", 2)], log
 
 
 @pytest.mark.parametrize("history", [0, EAGER_LIMIT + 1])
