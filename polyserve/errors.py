@@ -31,7 +31,7 @@ def json_fields(body: bytes, fields: set[str], expected: str) -> dict[str, objec
         return None
     try:
         asked = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # nested past the stack
         raise ClientError(422, f"the body is not JSON: {expected}") from None
     if not isinstance(asked, dict):
         raise ClientError(422, f"the body must be a JSON object: {expected}")

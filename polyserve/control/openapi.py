@@ -244,6 +244,7 @@ SPEC: dict[str, Any] = {
                 },
                 "responses": {
                     "200": _json("started", {"$ref": "#/components/schemas/Rollout"}),
+                    "202": _json(_FLEET_202, {"$ref": "#/components/schemas/Rollout"}),
                     **_WRITE_ERRORS,
                     "404": _error("the space is not deployed, or that version is not kept"),
                     "409": _error("a rollout runs already, or that version is current"),
@@ -266,6 +267,7 @@ SPEC: dict[str, Any] = {
                 ],
                 "responses": {
                     "200": _json("its rollout now", {"$ref": "#/components/schemas/Rollout"}),
+                    "202": _json(_FLEET_202, {"$ref": "#/components/schemas/Rollout"}),
                     **_WRITE_ERRORS,
                     "404": _error("the space has no rollout, or no such action"),
                     "409": _error("the rollout is over"),

@@ -13,6 +13,8 @@ POOL_NAME = {
 }
 # A space's kind, as a deploy's answer and a version's metadata name it.
 KIND = {"enum": ["app", "wsgi", "handle"]}
+# A fleet write's answer says which hosts applied it.
+HOSTS = {"type": "object", "description": "in a fleet: applied, live; lagging and skipped (a 202)"}
 
 
 def _array_of(schema: str) -> dict[str, Any]:
@@ -157,10 +159,7 @@ SCHEMAS: dict[str, Any] = {
             "entry": {"type": "string"},
             "kind": KIND,
             "import_ms": {"type": "number"},
-            "hosts": {
-                "type": "object",
-                "description": "in a fleet: applied, live; lagging and skipped (a 202)",
-            },
+            "hosts": HOSTS,
         },
     },
     "Rollout": {
@@ -190,6 +189,7 @@ SCHEMAS: dict[str, Any] = {
                 " way counts this host's requests only",
             },
             "history": {"type": "array", "items": {"type": "object"}},
+            "hosts": HOSTS,  # a write's answer
             "started_at": {"type": "number", "description": "Unix seconds"},
             "step_started_at": {"type": "number", "description": "Unix seconds"},
             "ended_at": {"type": "number", "nullable": True},
@@ -222,10 +222,7 @@ SCHEMAS: dict[str, Any] = {
             "set": {"type": "boolean"},
             "unset": {"type": "boolean"},
             "workers_signalled": {"type": "integer"},
-            "hosts": {
-                "type": "object",
-                "description": "in a fleet: applied, live; lagging and skipped (a 202)",
-            },
+            "hosts": HOSTS,
         },
     },
     "Logs": {

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
@@ -18,6 +19,7 @@ from polyserve.fleet.connection import CHANNEL, Connection
 from polyserve.fleet.hosts import LIVE
 from polyserve.fleet.schema import CHANGE_LOCK
 from polyserve.fleet.uploads import copy_version
+from polyserve.state import rollouts
 from polyserve.state.access import Access
 from polyserve.state.history import rollback_target, version_summary
 
@@ -98,7 +100,10 @@ class ChangeLog(Connection):
             number = row[0]
             meta = {**meta, "version": number, "replaced": before[0] if before else None}
             copy_version(conn, (space, number, sha256, meta), upload, size)
-            return _log(conn, space, "deploy" if current else "rollout", number)
+            change = _log(conn, space, "deploy" if current else "rollout", number)
+            if current:
+                _interrupt_rollout(conn, space, number)
+            return change
 
     def rollback(self, space: str, asked: int | None) -> tuple[Change, int, dict[str, Any]]:
         """Make a stored version current again, logged as a deploy of that (older)
@@ -128,7 +133,9 @@ class ChangeLog(Connection):
                 "UPDATE polyserve_spaces SET current_version = %s WHERE name = %s",
                 (number, space),
             )
-            return _log(conn, space, "deploy", number), current, metas[number]
+            change = _log(conn, space, "deploy", number)
+            _interrupt_rollout(conn, space, number)
+            return change, current, metas[number]
 
     def versions(
         self, space: str, limit: int
@@ -180,7 +187,9 @@ class ChangeLog(Connection):
             # A space deployed again under the name starts public, as on a single host.
             conn.execute("DELETE FROM polyserve_access WHERE space = %s", (space,))
             conn.execute("DELETE FROM polyserve_secrets WHERE space = %s", (space,))
-            return _log(conn, space, "delete", None)
+            change = _log(conn, space, "delete", None)
+            _interrupt_rollout(conn, space, None)
+            return change
 
     def release(self, space: str) -> Change | None:
         """Release everywhere (each host's workers import it afresh); None when the
@@ -313,6 +322,26 @@ def _current(conn: psycopg.Connection, space: str) -> int | None:
         "SELECT current_version FROM polyserve_spaces WHERE name = %s", (space,)
     ).fetchone()
     return row[0] if row else None
+
+
+def _interrupt_rollout(conn: psycopg.Connection, space: str, current: int | None) -> None:
+    """After a move of the space's `current` to `current` (None: deleted), logged: end its
+    live rollout if the move ends it (rollouts.interrupted), with a change of its own, so
+    every host takes the ended state. Each host ends its own copy already when it
+    applies the move (Changes.moved): no request after the move goes to the new version."""
+    row = conn.execute(
+        "SELECT state FROM polyserve_rollouts WHERE space = %s FOR UPDATE", (space,)
+    ).fetchone()
+    state = dict(row[0]) if row else None
+    why = None if state is None else rollouts.interrupted(state, current)
+    if state is None or why is None:
+        return
+    rollouts.over(state, "aborted", why, time.time())
+    conn.execute(
+        "UPDATE polyserve_rollouts SET state = %s::jsonb, updated_at = now() WHERE space = %s",
+        (json.dumps(state), space),
+    )
+    _log(conn, space, "rollout", None)  # None: no version to keep (the space may be gone)
 
 
 def _access_row(conn: psycopg.Connection, space: str) -> Access:

@@ -10,9 +10,9 @@ the table's word, so every host splits by the same weights.
 Who moves the steps: every host's follower reports its counts of the step under way
 (`polyserve_rollout_counts`); once the step is due, the first follower to lock the row
 (`SELECT … FOR UPDATE`, then a check that the step is still the due one) sums every
-host's counts, decides (rollouts.decide) and commits the next state; at 100% it makes
-the new version current with a rollback's change. So each step is decided once, by one
-host, from the fleet's counts.
+host's counts, decides (rollouts.decide) and commits the next state; at 100% the same
+transaction makes the new version current with a rollback's change, logged before the
+ended state. So each step is decided once, by one host, from the fleet's counts.
 """
 
 from __future__ import annotations
@@ -116,8 +116,7 @@ class RolloutRows(Connection):
                 left = float(state.pop("paused_left_s", state["step_s"]))
                 state["step_started_at"] = now - (state["step_s"] - left)
             elif action == "abort":
-                state.pop("paused_left_s", None)
-                state.update(status="aborted", reason="aborted on request", ended_at=now, weight=0)
+                rollouts.over(state, "aborted", "aborted on request", now)
             return _commit(conn, space, state), state
 
     def rollout_report(self, space: str, host: str, state: dict[str, Any], counts: Any) -> None:
@@ -150,6 +149,17 @@ class RolloutRows(Connection):
                 state["ended_at"] = time.time()
                 state["weight"] = 0 if outcome == "rolled_back" else 100
                 state["status"] = outcome
+            if outcome == "completed":
+                # In the same transaction, and logged before the ended state: a host never
+                # clears the rollout's word while the old version is still current, and a
+                # host that dies after the decision leaves no completed rollout behind an
+                # old current version.
+                version = int(state["version"])
+                conn.execute(
+                    "UPDATE polyserve_spaces SET current_version = %s WHERE name = %s",
+                    (version, space),
+                )
+                log_change(conn, space, "deploy", version)
             _commit(conn, space, state)
         return state
 
@@ -311,5 +321,3 @@ def tick(catchup: CatchUp, host: str) -> None:
         log.info(
             "%s: rollout step %d decided here: %s", space, local["step"] + 1, decided["status"]
         )
-        if decided["status"] == "completed":
-            db.rollback(space, int(decided["version"]))

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from functools import partial
 
 from polyserve.state import access as access_mod
+from polyserve.state import rollouts
 from polyserve.state.access import Access
 from polyserve.state.broadcast import Broadcast
 from polyserve.state.slots import NO_SLOT
@@ -45,8 +46,13 @@ class Changes:
         """After `current` moved, the lock still held: bump the space's generation, so
         every worker's next request sees the change, and prune what no worker holds
         (after the bump, so what a worker holds stays). The access word moves too: a
-        slot handed to another space, or a space deleted, has other access now. A space
-        with no slot here (NO_SLOT) has no worker holding it: nothing to bump."""
+        slot handed to another space, or a space deleted, has other access now. A live
+        rollout this move ends is ended first: its word cleared before the bump, its
+        pins before the prune. A space with no slot here (NO_SLOT) has no worker holding
+        it: nothing to bump."""
+        rollouts.interrupt(
+            self.store, self.broadcast.table, space, None if slot == NO_SLOT else slot
+        )
         if slot == NO_SLOT:
             self.store.prune(space, None)
             return

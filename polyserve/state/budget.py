@@ -68,8 +68,12 @@ def on_disk(layout: Layout) -> list[OnDisk]:
                 continue
             for entry in _dirs(versions):
                 if entry.name.isdigit():
-                    used = entry.stat(follow_symlinks=False).st_mtime
-                    found.append(OnDisk(space, int(entry.name), _size(entry.path), used))
+                    try:
+                        used = entry.stat(follow_symlinks=False).st_mtime
+                        size = _size(entry.path)
+                    except FileNotFoundError:  # another pass (or a prune) moved it meanwhile
+                        continue
+                    found.append(OnDisk(space, int(entry.name), size, used))
     return sorted(found, key=lambda v: (v.used, v.space, v.number))
 
 

@@ -21,14 +21,16 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polyserve.errors import ClientError, json_fields
-from polyserve.state.apply import Changes
 from polyserve.state.files import write_atomic
 from polyserve.state.shm import H_STARTED, Table
 from polyserve.state.store import Store
 from polyserve.usage import meter
+
+if TYPE_CHECKING:
+    from polyserve.state.apply import Changes  # which calls interrupt() at each move
 
 log = logging.getLogger("polyserve")
 DIR = "rollouts"
@@ -273,15 +275,53 @@ def claimed(store: Store, table: Table, space: str, slot: int) -> None:
     table.rollouts[slot] = word_of(state)
 
 
-def _end(
-    store: Store, table: Table, state: dict[str, Any], status: str, reason: str, now: float
-) -> None:
-    """The rollout is over: its word cleared, its pins let go. Hold the store lock."""
+def interrupted(state: dict[str, Any], current: int | None) -> str | None:
+    """Why `current` moving to `current` (None: the space deleted) ends this rollout, or
+    None when it does not: a live rollout ends unless its own versions still serve (its
+    completion moves `current` to its new version)."""
+    if state["status"] not in LIVE or current in (state["old"], state["version"]):
+        return None
+    if current is None:
+        return "the space was deleted"
+    return f"version {current} was made current meanwhile"
+
+
+def interrupt(store: Store, table: Table, space: str, slot: int | None) -> None:
+    """After a deploy, rollback or delete moved `current` (the store lock held, before
+    the bump): the space's live rollout ends now if that move ends it, so no request
+    after the move's answer goes to the rollout's new version. `slot` is None when the
+    space has none on this host."""
+    state = read(store.root, space)
+    current = store.current(space)
+    why = None if state is None else interrupted(state, None if current is None else current.number)
+    if state is not None and why is not None:
+        _end(store, table, state, "aborted", why, time.time(), slot)
+        write(store.root, state)
+        log.info("%s: its rollout ended: %s", space, why)
+
+
+def over(state: dict[str, Any], status: str, reason: str, now: float) -> None:
+    """Mark a state ended (a file's or a fleet row's)."""
     state.update(
         status=status, reason=reason, ended_at=now, weight=100 if status == "completed" else 0
     )
     state.pop("paused_left_s", None)
-    slot = store.slots.slot(str(state["space"]))
+
+
+def _end(
+    store: Store,
+    table: Table,
+    state: dict[str, Any],
+    status: str,
+    reason: str,
+    now: float,
+    slot: int | None = None,
+) -> None:
+    """The rollout is over: its word cleared, its pins let go. Hold the store lock.
+    `slot`: the space's, when a delete may have let it go."""
+    over(state, status, reason, now)
+    if slot is None:
+        slot = store.slots.slot(str(state["space"]))
     if slot is not None:
         table.rollouts[slot] = 0
     space = str(state["space"])

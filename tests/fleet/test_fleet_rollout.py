@@ -106,11 +106,13 @@ def test_a_good_version_completes_fleet_wide_and_becomes_current(host_factory, f
     # The step was decided once, from both hosts' counts.
     (step,) = state(a, "fr/good")["history"]
     assert step["weight"] == 50 and step["new"]["requests"] + step["old"]["requests"] >= 2
-
-    def current_everywhere() -> bool:
-        return all(h.get("/s/fr/good/").json() == {"v": "two"} for h in (a, b))
-
-    until(current_everywhere, what="version 2 current on both hosts")
+    # Version 2 was current before the rollout ended anywhere: its move is logged first,
+    # in the decision's transaction, so a host that shows the end serves version 2.
+    for host in (a, b):
+        assert host.get("/s/fr/good/").json() == {"v": "two"}, host.url
+    with psycopg.connect(fleet_db) as conn:
+        log = conn.execute("SELECT kind, version FROM polyserve_changes ORDER BY id").fetchall()
+    assert log[-2:] == [("deploy", 2), ("rollout", 2)], log
 
 
 @pytest.mark.parametrize("history", [0, EAGER_LIMIT + 1])
@@ -261,3 +263,55 @@ def test_a_rollouts_view_without_the_database_is_this_hosts_and_says_so(
     assert "unreachable" in found["warning"], found
     requests = {v: c["requests"] for v, c in found["versions"].items()}
     assert requests == {"1": here["one"], "2": here["two"]}, (requests, here)
+
+
+def test_a_deploy_through_another_host_mid_step_ends_the_rollout_fleet_wide(host_factory, fleet_db):
+    """A deploy that moves `current` during a long step ends the rollout in the fleet's
+    row and on every host before its answer: every request then gets the deployed
+    version (never the rollout's new one, and not the rollout's at its end), and a new
+    rollout of the space may start."""
+    a, b = start_fleet(host_factory, fleet_db, "ab")
+    deploy(a, "fr/moved", source("one"))
+    deploy(a, "fr/moved", source("two"), current=False)
+    r = post(a, "fr/moved/rollout", version=2, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    assert deploy(b, "fr/moved", source("three"))["hosts"]["applied"] == 2
+    for host in (a, b):
+        with httpx.Client(base_url=host.url, timeout=30) as client:
+            seen = {client.get("/s/fr/moved/").json()["v"] for _ in range(40)}
+        assert seen == {"three"}, (host.url, seen)
+    until(lambda: all(state(h, "fr/moved")["status"] == "aborted" for h in (a, b)))
+    assert state(a, "fr/moved")["reason"] == "version 3 was made current meanwhile"
+    with psycopg.connect(fleet_db) as conn:
+        (row,) = conn.execute("SELECT state FROM polyserve_rollouts").fetchall()
+    assert row[0]["status"] == "aborted", row[0]
+    deploy(a, "fr/moved", source("four"), current=False)
+    r = post(b, "fr/moved/rollout", version=4, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    assert r.json()["old"] == 3
+
+
+def test_a_rollout_write_a_host_has_not_applied_answers_202_as_its_spec_says(
+    host_factory, fleet_db
+):
+    """With B's follower stopped (still live, so writes wait for it): starting and
+    aborting a rollout through A answer 202 naming B, and the OpenAPI document lists a
+    202 for both, as for the fleet's other writes."""
+    a, b = start_fleet(host_factory, fleet_db, "ab", POLYSERVE_DEPLOY_WAIT_S="1")
+    deploy(a, "fr/lag", source("one"))
+    deploy(a, "fr/lag", source("two"), current=False)
+    spec = a.get("/_polyserve/openapi.json").json()["paths"]
+    follower = b.follower_pid()
+    os.kill(follower, signal.SIGSTOP)
+    try:
+        started = post(a, "fr/lag/rollout", version=2, steps=[50, 100], step_s=3600)
+        aborted = post(a, "fr/lag/rollout/abort")
+    finally:
+        os.kill(follower, signal.SIGCONT)
+    for r, path in (
+        (started, "/_polyserve/spaces/{owner}/{name}/rollout"),
+        (aborted, "/_polyserve/spaces/{owner}/{name}/rollout/{action}"),
+    ):
+        assert r.status_code == 202, r.text
+        assert r.json()["hosts"]["lagging"] == ["b"], r.json()
+        assert "202" in spec[path]["post"]["responses"], (path, spec[path]["post"]["responses"])

@@ -209,9 +209,39 @@ def test_bad_rollout_requests_are_422_saying_what_to_send(host):
         answer = rollout(host, "ro/input", **body)
         assert answer.status_code == 422, (body, answer.text)
         assert answer.json()["error"]
+    # Arrays nested deeper than the parser's stack, well under the 64 KiB a body may be.
+    nested = httpx.post(
+        f"{host.url}/_polyserve/spaces/ro/input/rollout", content=b"[" * 60000, timeout=30
+    )
+    assert nested.status_code == 422 and "not JSON" in nested.json()["error"], nested.text
     missing = rollout(host, "ro/input", version=9)
     assert missing.status_code == 404 and missing.json()["kept"] == [1]
     assert host.get("/_polyserve/spaces/ro/input/rollout").status_code == 404
+
+
+def test_a_deploy_or_delete_mid_step_ends_the_rollout_at_once(host):
+    """A deploy that moves `current` during a long step ends the rollout before its
+    answer: every request then gets the deployed version. A delete ends it too, so a
+    space deployed again under the name serves only its own versions."""
+    deploy(host, "ro/moved", source("one"))
+    deploy(host, "ro/moved", source("two"), current=False)
+    assert rollout(host, "ro/moved", version=2, steps=[50, 100], step_s=3600).status_code == 200
+    deploy(host, "ro/moved", source("three"))
+    ended = state(host, "ro/moved")
+    assert ended["status"] == "aborted", ended
+    assert ended["reason"] == "version 3 was made current meanwhile"
+    assert {host.get("/s/ro/moved/").json()["v"] for _ in range(40)} == {"three"}
+
+    deploy(host, "ro/gone", source("one"))
+    deploy(host, "ro/gone", source("two"), current=False)
+    assert rollout(host, "ro/gone", version=2, steps=[50, 100], step_s=3600).status_code == 200
+    assert httpx.delete(f"{host.url}/_polyserve/spaces/ro/gone", timeout=30).status_code == 200
+    assert state(host, "ro/gone")["reason"] == "the space was deleted"
+    deploy(host, "ro/gone", source("again"))
+    deploy(host, "ro/gone", source("again, kept"), current=False)
+    answers = [host.get("/s/ro/gone/") for _ in range(40)]
+    assert {(r.status_code, r.json()["v"]) for r in answers} == {(200, "again")}
+    assert rollout(host, "ro/gone", version=4).status_code == 200  # none live: it starts
 
 
 @pytest.mark.gunicorn

@@ -104,3 +104,26 @@ def test_a_load_of_removed_files_is_told_so(store, table):
         pass
     with pytest.raises(budget.Pruned), budget.reading(store, "u/a", 2):
         pass
+
+
+def test_a_pass_goes_on_when_another_removes_files_it_is_measuring(store, table, monkeypatch):
+    """Every worker and the follower run passes, each listing outside the store lock: a
+    version another pass moves aside while this one measures it is left out, and this
+    pass still brings the rest under the budget."""
+    publish(store, "u/a", used=100)
+    publish(store, "u/b", used=200)
+    publish(store, "u/c", used=300)
+    measure = budget._size
+    raced: list[str] = []
+
+    def racing(path: str) -> int:
+        if not raced:  # the other pass moves the first version measured aside meanwhile
+            raced.append(path)
+            os.rename(path, store.staging_dir / "pruned-by-another-pass")
+        return measure(path)
+
+    monkeypatch.setattr(budget, "_size", racing)
+    removed = budget.trim(store, Broadcast(table, None), PAD + KIB)
+    assert len(raced) == 1
+    assert len(removed) == 1  # the other two were three; one fits
+    assert len(files_here(store)) == 1
