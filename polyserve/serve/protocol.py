@@ -33,6 +33,7 @@ from polyserve.serve.tensors import (
 
 _ECHO = 80  # characters of a client's own text quoted back in an error
 _ORJSON = orjson.OPT_SERIALIZE_NUMPY
+_NO_BYTES = memoryview(b"")
 
 
 class Requested(NamedTuple):
@@ -52,10 +53,11 @@ def decode(
     outputs: Mapping[str, TensorSpec],
 ) -> Requested:
     """Parse an infer request's body against the model's inputs and outputs."""
-    view = memoryview(body)
-    if header_length is None:
-        header, binary = view, view[len(view) :]
+    if header_length is None:  # all JSON: orjson reads bytes faster than a view of them
+        header: bytes | bytearray | memoryview = body
+        binary = _NO_BYTES
     else:
+        view = memoryview(body)
         if header_length > len(view):
             raise ProtocolError(
                 f"Inference-Header-Content-Length is {header_length}, but the body holds"
