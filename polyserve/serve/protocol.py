@@ -83,7 +83,8 @@ def decode(
         if spec.name in arrays:
             raise ProtocolError(f"input {spec.name!r} is given twice")
         shape = _shape(tensor, spec)
-        size = _binary_size(tensor.get("parameters"), spec.name)
+        parameters = tensor.get("parameters")
+        size = None if parameters is None else _binary_size(parameters, spec.name)
         if size is None:
             if "data" not in tensor:
                 raise ProtocolError(
@@ -141,8 +142,9 @@ def encode(
         elif datatype == "BYTES":
             out["data"] = [as_text(item) for item in array.ravel().tolist()]
         else:
-            # orjson writes a C-contiguous array's numbers straight from its buffer.
-            out["data"] = np.ascontiguousarray(array).ravel()
+            # orjson writes a C-contiguous array's numbers straight from its buffer, and
+            # ravel() is one: a view of a contiguous array, else a contiguous copy.
+            out["data"] = array.ravel()
         outputs.append(out)
     answer: dict[str, object] = {"model_name": model_name, "model_version": model_version}
     if request_id is not None:
@@ -215,8 +217,6 @@ def _shape(tensor: dict[str, Any], spec: TensorSpec) -> tuple[int, ...]:
 
 
 def _binary_size(parameters: object, name: str) -> int | None:
-    if parameters is None:
-        return None
     if not isinstance(parameters, dict):
         raise ProtocolError(f"the parameters of input {name!r} must be a JSON object")
     size = parameters.get("binary_data_size")
