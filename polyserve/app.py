@@ -23,6 +23,9 @@ from polyserve.host import running_host
 from polyserve.serve.dispatch import answer
 from polyserve.serve.inference import InferenceRoutes
 
+# The headers uvicorn's ProxyHeadersMiddleware reads; it changes nothing without them.
+_FORWARDED = frozenset((b"x-forwarded-for", b"x-forwarded-proto"))
+
 
 class HostApp:
     """The ASGI entry's two faces. `/s/{owner}/{name}/…` goes straight to the space, with
@@ -38,7 +41,10 @@ class HostApp:
         self.control_app = self.control.app(lifespan=self._lifespan)
         self._trusted: list[str] | str | None = None
         self._dispatch: ASGIApp = _not_started
-        self.inference = InferenceRoutes(self.control, lambda: self._dispatch)
+        # The same behind uvicorn's ProxyHeadersMiddleware, for a request that carries
+        # the headers it reads: one without them skips its layer (bench/NOTES.md).
+        self._forwarded: ASGIApp = _not_started
+        self.inference = InferenceRoutes(self.control, self._space_app)
 
     def trust_forwarded(self, trusted_hosts: list[str] | str) -> None:
         """Give spaces the client that X-Forwarded-For names, from these proxies only.
@@ -51,14 +57,23 @@ class HostApp:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         async with running_host(self.settings, self.clock) as host:
             serve: ASGIApp = host.dispatch.serve
+            forwarded = serve
             if self._trusted is not None:
                 # uvicorn types its middleware with its own, narrower scope types.
-                serve = ProxyHeadersMiddleware(serve, self._trusted)  # type: ignore[arg-type,assignment]
-            self.control.host, self._dispatch = host, serve
+                forwarded = ProxyHeadersMiddleware(serve, self._trusted)  # type: ignore[arg-type,assignment]
+            self.control.host, self._dispatch, self._forwarded = host, serve, forwarded
             try:
                 yield
             finally:
                 self.control.host, self._dispatch = None, _not_started
+                self._forwarded = _not_started
+
+    def _space_app(self, scope: Scope) -> ASGIApp:
+        """Dispatch, behind the middleware when the request has a header it reads."""
+        for name, _ in scope["headers"]:
+            if name in _FORWARDED:
+                return self._forwarded
+        return self._dispatch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
@@ -79,9 +94,9 @@ class HostApp:
                         if version and version != "current":
                             params = {"owner": owner, "name": name, "version": version}
                             scope["path_params"] = params
-                            return await self._dispatch(scope, receive, send)
+                            return await self._space_app(scope)(scope, receive, send)
                     scope["path_params"] = {"owner": owner, "name": name}
-                    return await self._dispatch(scope, receive, send)
+                    return await self._space_app(scope)(scope, receive, send)
             elif path == "/v2" or path.startswith("/v2/"):  # the inference protocol
                 if self.control.host is None:
                     return await _not_started(scope, receive, send)

@@ -42,6 +42,21 @@ from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 JOIN_BELOW = 16384
 
 
+# Header fields that passed uvicorn's checks of a response head: most answers repeat the
+# same few (a model's content type and length), and two regex searches a field cost a
+# tiny answer more than a set lookup. Emptied when full, so a stream of distinct values
+# (dates, lengths) cannot grow it.
+CHECKED: set[tuple[bytes, bytes]] = set()
+CHECKED_MAX = 1024
+
+
+def checked(name: bytes, value: bytes) -> None:
+    """Remember a field that passed the checks."""
+    if len(CHECKED) >= CHECKED_MAX:
+        CHECKED.clear()
+    CHECKED.add((name, value))
+
+
 class Cycle(RequestResponseCycle):
     """What polyserve.http.strict's protocol creates for each request, in place of uvicorn's."""
 
@@ -136,10 +151,13 @@ class Cycle(RequestResponseCycle):
             has_connection_close = False
 
             for name, value in headers:
-                if HEADER_RE.search(name):
-                    raise RuntimeError("Invalid HTTP header name.")  # pragma: full coverage
-                if HEADER_VALUE_RE.search(value):
-                    raise RuntimeError("Invalid HTTP header value.")
+                # polyserve: a field already checked is not searched again (CHECKED).
+                if (name, value) not in CHECKED:
+                    if HEADER_RE.search(name):
+                        raise RuntimeError("Invalid HTTP header name.")  # pragma: full coverage
+                    if HEADER_VALUE_RE.search(value):
+                        raise RuntimeError("Invalid HTTP header value.")
+                    checked(name, value)
 
                 name = name.lower()
                 if name == b"content-length" and self.chunked_encoding is None:

@@ -10,6 +10,7 @@ as a warm-up in this worker, unload as a release in every worker).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,31 +31,37 @@ if TYPE_CHECKING:
     from polyserve.control.plane import ControlPlane
 
 
+@functools.lru_cache(maxsize=256)
+def _route(path: str, method: str) -> Route:
+    """The route of a path at the host's root, its model's name checked: cached, as
+    routes.parse is, so a repeated infer pays for neither."""
+    route = routes.parse(path, method, 2)
+    assert route is not None, "HostApp sends only paths under /v2"
+    if route.model is not None and not all(map(is_owner, route.model.split("/"))):
+        raise ProtocolError(f"no model {route.model[:200]!r}: a model is named owner/name", 404)
+    return route
+
+
 class InferenceRoutes:
     """Every path under `/v2` at the host's root."""
 
-    def __init__(self, control: ControlPlane, dispatch: Callable[[], ASGIApp]) -> None:
+    def __init__(self, control: ControlPlane, dispatch: Callable[[Scope], ASGIApp]) -> None:
         self.control = control
-        self.dispatch = dispatch  # the worker's current request path (set at its start)
+        self.dispatch = dispatch  # the worker's current request path for a scope
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         if scope["type"] != "http":
             await send({"type": "websocket.close", "code": 1008})
             return
         try:
-            route = routes.parse(path, scope["method"], 2)
-            assert route is not None, "HostApp sends only paths under /v2"
-            if route.model is not None and not all(map(is_owner, route.model.split("/"))):
-                raise ProtocolError(
-                    f"no model {route.model[:200]!r}: a model is named owner/name", 404
-                )
+            route = _route(path, scope["method"])
             if route.op == "infer":
                 owner, _, name = (route.model or "").partition("/")
                 scope["path_params"] = {"owner": owner, "name": name}
                 if route.version is not None:  # a kept version by name, as `owner/name@N`
                     scope["path_params"]["version"] = route.version
                 scope["polyserve.route"] = route
-                await self.dispatch()(scope, receive, send)
+                await self.dispatch(scope)(scope, receive, send)
                 return
             if route.model is not None and route.op not in ("load", "unload"):
                 # A private model's metadata and readiness take its key, as its infers do.

@@ -159,6 +159,10 @@ class InferenceApp:
             model.check_batchable()
         self.batcher: Batcher | None = None  # made on the loop, at first use
         self._place = Placement(threads)  # on the loop while runs are short
+        # What an infer that names no outputs gets: every output, binary or JSON as the
+        # request's binary_data_output says; built once, not per request.
+        self._every_output = {b: [(out, b) for out in model.outputs] for b in (False, True)}
+        self._output_names = list(model.outputs)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -229,8 +233,9 @@ class InferenceApp:
         request = protocol.decode(body, header_length, self.model.inputs, self.model.outputs)
         chosen = request.outputs
         if chosen is None:
-            chosen = [(out, request.binary) for out in self.model.outputs]
-        wanted = [out for out, _ in chosen]
+            chosen, wanted = self._every_output[request.binary], self._output_names
+        else:
+            wanted = [out for out, _ in chosen]
         try:
             results = await self._run(request.inputs, wanted, receive)
         except Exception as exc:

@@ -8,6 +8,7 @@ before a byte is sent, so dispatch can count it (billed or not) and send it itse
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +46,15 @@ class Route:
         return self.op in _BILLED
 
 
+@functools.lru_cache(maxsize=256)
 def parse(path: str, method: str, name_parts: int) -> Route | None:
     """The protocol route of a path under `/v2` (None: not one). A model name is
     `name_parts` segments: two at the host's root (owner/name), one under a space's
-    prefix. Raises ProtocolError for a protocol path with the wrong method or shape."""
+    prefix. Raises ProtocolError for a protocol path with the wrong method or shape.
+
+    Cached: a client calls the same few routes again and again, and a parse is a share
+    of a tiny model's answer. A refusal is never cached, and the bound keeps a client's
+    many odd paths from growing the cache."""
     parts = path.strip("/").split("/")
     if parts[0] != "v2":
         return None

@@ -393,6 +393,33 @@ def test_a_forwarded_loopback_address_gets_no_loopback_trust(tmp_path):
     assert set(still_there) == {"o/who"}
 
 
+CLIENT_AND_SCHEME = (
+    "def handle(request):\n    return f'{request.client.host} {request.url.scheme}'\n"
+)
+
+
+def test_a_space_sees_x_forwarded_proto_alone_and_with_x_forwarded_for(tmp_path):
+    """HostApp skips uvicorn's proxy-headers layer for a request with neither header it
+    reads, so each header alone must still take it there: X-Forwarded-Proto alone sets
+    the scheme and leaves the peer, and both set both."""
+    s = settings_mod.load({"POLYSERVE_DATA_DIR": str(tmp_path / "data")})
+    app = create_app(s)
+    app.trust_forwarded("*")
+    with TestClient(app, client=("127.0.0.1", 50000)) as c:
+        r = c.post(
+            "/_polyserve/deploy",
+            data={"space": "o/where"},
+            files={"module": ("main.py", CLIENT_AND_SCHEME.encode())},
+        )
+        assert r.status_code == 200, r.text
+        plain = c.get("/s/o/where/").text
+        proto = c.get("/s/o/where/", headers={"X-Forwarded-Proto": "https"}).text
+        both = c.get(
+            "/s/o/where/", headers={"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.7"}
+        ).text
+    assert (plain, proto, both) == ("127.0.0.1 http", "127.0.0.1 https", "203.0.113.7 https")
+
+
 # -- 10. the request deadline bounds the wait for the response start only ------------------
 
 STREAM_AND_SOCKET = """

@@ -16,7 +16,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
-from polyserve.http import strict
+from polyserve.http import cycle, strict
 from polyserve.http.cycle import Cycle
 
 App = Callable[[Any, Any, Any], Awaitable[None]]
@@ -97,6 +97,21 @@ def test_a_fixed_length_answer_is_one_write_of_uvicorns_bytes():
     assert len(uvicorns) == 2, uvicorns  # the head, then the body
     assert ours == [b"".join(uvicorns)]
     assert ours[0].startswith(b"HTTP/1.1 200 OK\r\n") and ours[0].endswith(b'\r\n\r\n{"a": true}')
+
+
+def test_a_bad_header_field_is_refused_every_time_and_the_checked_ones_stay_bounded():
+    """Cycle remembers the fields that passed uvicorn's checks, never one that failed: a
+    value with a CRLF in it breaks the answer as uvicorn's does, the second time too, and
+    distinct values past the bound leave the memory at its bound."""
+    bad = answering(200, [(b"x-a", b"1\r\nset-cookie: x"), (b"content-length", b"2")], b"ok")
+    for _ in range(2):
+        ours, uvicorns = both(bad)
+        assert ours == uvicorns == [CLOSED], (ours, uvicorns)
+    for n in range(cycle.CHECKED_MAX + 10):
+        ours, uvicorns = both(answering(200, [(b"x-n", b"%d" % n), *JSON], b'{"a": true}'))
+        assert ours == [b"".join(uvicorns)]
+    assert 0 < len(cycle.CHECKED) <= cycle.CHECKED_MAX
+    assert (b"x-a", b"1\r\nset-cookie: x") not in cycle.CHECKED
 
 
 def test_a_large_body_is_written_beside_its_head_not_copied_behind_it():

@@ -267,3 +267,26 @@ def test_a_wrong_method_or_an_unknown_protocol_path_is_refused():
         parse("/v2/models/lee/m/stats", "GET", 2)
     assert unknown.value.status == 404
     assert parse("/other", "GET", 2) is None
+
+
+def test_a_refusal_is_refused_again_and_a_route_is_parsed_once():
+    """parse is cached per (path, method, parts): a refusal is never cached, so the same
+    bad path is refused each time, and a good one is the same Route each time."""
+    for _ in range(2):
+        with pytest.raises(ProtocolError) as wrong:
+            parse("/v2/models/lee/m/infer", "GET", 2)
+        assert wrong.value.status == 405
+    first = parse("/v2/models/lee/m/infer", "POST", 2)
+    assert first is parse("/v2/models/lee/m/infer", "POST", 2)
+    assert parse.cache_info().maxsize is not None  # bounded: odd paths cannot grow it
+
+
+def test_a_strided_output_is_answered_in_row_major_order():
+    """An output that is a view across its rows (a transpose, as a post() may return) is
+    written in row-major order in JSON and in binary alike."""
+    array = np.arange(6, dtype=np.float32).reshape(2, 3).T  # [[0, 3], [1, 4], [2, 5]]
+    encoded, _ = encode("m", "1", None, [("T", array, False)])
+    assert orjson.loads(encoded)["outputs"][0]["data"] == [0, 3, 1, 4, 2, 5]
+    encoded, length = encode("m", "1", None, [("T", array, True)])
+    assert length is not None
+    assert np.frombuffer(encoded[length:], "<f4").tolist() == [0, 3, 1, 4, 2, 5]
