@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from polyserve.http.cycle import Cycle
 from polyserve.logs import spacelog
 from polyserve.serve.placement import Placement
 
@@ -89,7 +90,7 @@ def read_batching(root: Path) -> Batching | None:
 class _Call:
     """One caller's inputs, where its rows go, and the key its batch must share."""
 
-    __slots__ = ("arrays", "future", "key", "queued_at", "rows")
+    __slots__ = ("arrays", "future", "gone", "key", "queued_at", "rows")
 
     def __init__(self, arrays: Arrays, rows: int, future: asyncio.Future[Any]) -> None:
         self.arrays = arrays
@@ -97,6 +98,9 @@ class _Call:
         self.key = tuple((a.dtype.str, a.shape[1:]) for a in arrays)
         self.future = future
         self.queued_at = time.monotonic_ns()  # its time in the queue runs from here
+        # Whether its client has gone, asked before each batch (polyserve's own HTTP
+        # cycle tells without a wait); None: nobody asks.
+        self.gone: Callable[[], bool] | None = None
 
 
 class Batcher:
@@ -133,7 +137,9 @@ class Batcher:
         """The outputs for these inputs' rows, computed with the rows queued beside them.
         With the request's ASGI `receive` (its body read), a client that goes away while
         its call is queued behind a running batch takes the call out of the queue:
-        ClientGone."""
+        ClientGone. polyserve's own HTTP cycle is asked before each batch, so the call
+        ends when the batch before it does; another server's receive() is watched, so
+        the call ends at once."""
         rows = rows_of(arrays)
         loop = asyncio.get_running_loop()
         call = _Call(arrays, rows, loop.create_future())
@@ -150,6 +156,9 @@ class Batcher:
             # Only a call that waits behind a batch watches its client: a lone call
             # starts at once, and a watcher would cost it more than it could save.
             if receive is None or not queued:
+                return await call.future
+            call.gone = _gone(receive)
+            if call.gone is not None:  # asked before each batch: no task, no wait
                 return await call.future
             return await self._unless_gone(call, receive)
         except (asyncio.CancelledError, ClientGone):
@@ -185,7 +194,8 @@ class Batcher:
                 # A batch on the loop blocks it: first let the requests it has read
                 # already (their tasks are ready) reach the queue.
                 await asyncio.sleep(0)
-            batch = self._take()
+            self._drop_gone()
+            batch = self._take() if self._queue else None
             if batch:
                 await self._run_batch(batch)
 
@@ -197,6 +207,16 @@ class Batcher:
             pass
         finally:
             self._filled = None
+
+    def _drop_gone(self) -> None:
+        """Take the calls whose clients went away out of the queue: their rows never run."""
+        for call in [c for c in self._queue if c.gone is not None and c.gone()]:
+            self._queue.remove(call)
+            self._queued_rows -= call.rows
+            if not call.future.done():
+                call.future.set_exception(
+                    ClientGone("the client went away while its request was queued")
+                )
 
     def _take(self) -> list[_Call]:
         """The next batch: the first queued call, and the calls after it that share its
@@ -249,6 +269,15 @@ class Batcher:
             if not call.future.done():
                 call.future.set_result([out[start:end] for out in outputs])
             start = end
+
+
+def _gone(receive: Callable[[], Awaitable[Any]]) -> Callable[[], bool] | None:
+    """Whether the client of polyserve's own HTTP cycle has gone, read from the cycle
+    without awaiting its receive(); None for another server's receive."""
+    cycle = getattr(receive, "__self__", None)
+    if isinstance(cycle, Cycle):
+        return lambda: cycle.disconnected
+    return None
 
 
 def rows_of(arrays: Arrays) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -261,4 +262,57 @@ def test_a_client_gone_while_queued_takes_its_rows_out_of_the_queue():
         np.testing.assert_array_equal(got, rows(7) * 2)
 
     asyncio.run(go())
+    assert gate.calls == [1, 1]  # the five rows of the client that left never ran
+
+
+def test_a_client_gone_from_polyserves_own_cycle_leaves_the_queue_without_a_watcher():
+    """Behind a running batch, a call on polyserve's HTTP cycle is not watched by a task
+    of its own: the cycle says its client has gone when the next batch is formed, and the
+    call's rows never run."""
+    from gunicorn.config import Config as GunicornConfig
+
+    from polyserve.http import strict
+    from polyserve.serve.batching import ClientGone
+    from tests.http.test_cycle import connection
+
+    gate = Gate()
+    ended: dict[bytes, object] = {}
+
+    async def go() -> None:
+        batcher = Batcher(gate, Batching(max_rows=8))
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            body = (await receive())["body"]
+            values = [float(v) for v in body.split(b",")]
+            try:
+                got = await batcher.submit([rows(*values)], receive)
+            except ClientGone as exc:
+                ended[body] = exc
+                return
+            ended[body] = got[0]
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        def post(body: bytes) -> Any:
+            protocol, _ = connection(strict.protocol(GunicornConfig()), app)
+            head = b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(body)
+            protocol.data_received(head + body)
+            return protocol
+
+        post(b"0")
+        await until_calls(gate, 1)
+        leaving = post(b"1,2,3,4,5")
+        post(b"7")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        # This one, the three requests and the drain: no watcher task for the queued two.
+        assert len(asyncio.all_tasks()) == 5
+        leaving.connection_lost(None)
+        gate.release.set()
+        while len(ended) < 3:
+            await asyncio.sleep(0.001)
+
+    asyncio.run(go())
+    assert isinstance(ended[b"1,2,3,4,5"], ClientGone)
+    np.testing.assert_array_equal(ended[b"7"], rows(7) * 2)
     assert gate.calls == [1, 1]  # the five rows of the client that left never ran
