@@ -91,7 +91,7 @@ class HostApp:
                     scope["root_path"] = f"{root}/s/{owner}/{name}"
                     if "@" in name:  # name@N: kept version N (docs/deploys.md)
                         name, _, version = name.partition("@")
-                        if version and version != "current":
+                        if version != "current":  # an empty one is not kept either: a 404
                             params = {"owner": owner, "name": name, "version": version}
                             scope["path_params"] = params
                             return await self._space_app(scope)(scope, receive, send)

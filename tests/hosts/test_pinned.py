@@ -98,7 +98,7 @@ def test_requests_to_a_version_by_name_count_for_the_space(host):
 def test_a_version_the_space_does_not_keep_is_a_404_listing_the_kept_ones(host):
     for text_ in ("one", "two", "three"):
         deploy(host, "pin/gone", source(text_))
-    for version in ("1", "7", "abc", "01"):
+    for version in ("1", "7", "abc", "01", ""):
         # v1 is pruned by the third deploy (keep_versions 2), once no worker holds it.
         answer = until(
             lambda v=version: (r := host.get(f"/s/pin/gone@{v}/")).status_code == 404 and r,
