@@ -34,7 +34,8 @@ from polyserve.settings import Settings
 from polyserve.state import access
 from polyserve.state.access import Access
 from polyserve.state.apply import Changes
-from polyserve.state.store import Staged, Store, write_atomic
+from polyserve.state.files import read_short, write_short
+from polyserve.state.store import Staged, Store
 
 _T = TypeVar("_T")
 log = logging.getLogger("polyserve")
@@ -78,9 +79,13 @@ class CatchUp:
         """Apply every change after the last one applied here, in order (from the fleet's
         pointers when far behind, or when the fleet went back in time). A change that
         failed in a way that may pass is left for the next poll."""
-        if self._went_back():
-            self._take_pointers(back=True)
-        while changes := self.db.changes_since(self.applied, BATCH):
+        while True:
+            known, changes = self.db.changes_since(self.applied, BATCH)
+            if self._went_back(known):
+                self._take_pointers(back=True)
+                continue  # from the fleet's last change, whose token it now has
+            if not changes:
+                break
             if len(changes) > EAGER_LIMIT:
                 self._take_pointers()
             else:
@@ -93,20 +98,20 @@ class CatchUp:
             if len(changes) < BATCH:
                 break
 
-    def _went_back(self) -> bool:
+    def _went_back(self, known: str | None) -> bool:
         """Whether the fleet's change of the id applied here is not the one applied (a
         restore, a failover to a lagging replica): its last change is below it, or the
-        id was handed out again. The fleet is the truth, even an older one."""
+        id was handed out again (`known`: the token the fleet has for that id, None for
+        none). The fleet is the truth, even an older one."""
         if not self.applied:
             return False
-        token = self.db.token(self.applied)
-        if token is not None and (self.token is None or token == self.token):
-            self.token = token  # applied before changes had tokens: taken as it is
+        if known is not None and (self.token is None or known == self.token):
+            self.token = known  # applied before changes had tokens: taken as it is
             return False
         log.warning(
             "the fleet's database went back in time: change %d is %s; following its pointers again",
             self.applied,
-            "gone" if token is None else "another one than the one applied here",
+            "gone" if known is None else "another one than the one applied here",
         )
         return True
 
@@ -188,14 +193,15 @@ class CatchUp:
         # Another pool's version comes without its bytes: this host only points at it
         # (its workers redirect its requests), and fetches its files on first use should
         # it ever serve it (restarted in that pool).
-        stored = self.db.fetch(space, number, self.settings.pool)
+        # With its secrets (none unless it runs in this host's pool: see _ours).
+        stored = self.db.fetch(space, number, self.settings.pool, secrets=True)
         if stored is None:
             return  # gone from the fleet store: a later change supersedes it
+        found = stored.secrets or {}
         if stored.size is not None:  # this pool's: its set is installed before it is current
             stored = dataclasses.replace(stored, meta=self._installed(number, stored.meta))
         # Its secrets first, so that the loads this deploy causes read them: this host
         # may have dropped them (a change it skipped deletes the space here).
-        found = self._ours(space, str(stored.meta.get("pool", DEFAULT_POOL)))
         if self.store.secrets.read(space) != found:
             with self.store.locked():
                 self.store.secrets.write(space, found)
@@ -389,8 +395,7 @@ class CatchUp:
 
     def _applied(self, change_id: int, token: str | None) -> None:
         self.applied, self.token = change_id, token
-        mark = f"{change_id} {token}" if token else str(change_id)
-        write_atomic(self.store.root / APPLIED, mark.encode())
+        write_short(self.store.root / APPLIED, f"{change_id} {token}" if token else str(change_id))
 
 
 def _here(store: Store, space: str, pointer: tuple[int, dict[str, Any]]) -> bool:
@@ -413,7 +418,7 @@ def read_applied(path: Path) -> int:
 def read_mark(path: Path) -> tuple[int, str | None]:
     """(The last change applied here, its token: None when it had none)."""
     try:
-        number, *token = path.read_text().split()
+        number, *token = read_short(path).split()
         return int(number), (token[0] if token else None)
     except (FileNotFoundError, ValueError):
         return 0, None

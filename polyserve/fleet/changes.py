@@ -232,23 +232,20 @@ class ChangeLog(Connection):
             rows = conn.execute("SELECT space, private, keys FROM polyserve_access").fetchall()
         return {space: Access(private, list(keys)) for space, private, keys in rows}
 
-    def changes_since(self, after: int, limit: int) -> list[Change]:
+    def changes_since(self, after: int, limit: int) -> tuple[str | None, list[Change]]:
+        """(The token of change `after` as the fleet has it, None when it has none: its
+        database went back to before it; the next `limit` changes after it), in one
+        round trip: a follower makes this call on every poll."""
         with self.session() as conn:
             rows = conn.execute(
                 "SELECT id, space, kind, version, token::text FROM polyserve_changes"
-                " WHERE id > %s ORDER BY id LIMIT %s",
-                (after, limit),
+                " WHERE id >= %s ORDER BY id LIMIT %s",
+                (after, limit + 1),
             ).fetchall()
-        return [Change(*row) for row in rows]
-
-    def token(self, change_id: int) -> str | None:
-        """The token of the change with this id; None when the fleet has none (its
-        database went back to before it)."""
-        with self.session() as conn:
-            row = conn.execute(
-                "SELECT token::text FROM polyserve_changes WHERE id = %s", (change_id,)
-            ).fetchone()
-        return row[0] if row else None
+        changes = [Change(*row) for row in rows]
+        if changes and changes[0].id == after:
+            return changes[0].token, changes[1:]
+        return None, changes[:limit]
 
     def pointers(self) -> tuple[Change | None, dict[str, tuple[int, dict[str, Any]] | None]]:
         """What a joining host needs: the last change (None for none), and each space's

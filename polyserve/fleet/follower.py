@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -124,8 +125,14 @@ class Follower:
         once, not a poll interval later, while another boot of the host may have started."""
         s, now = self.settings, time.monotonic()
         end = now + min(s.fleet_poll_s, max(self._usage_at + s.checkpoint_interval - now, 0.0))
+        # Its socket polled here, and read only once readable: psycopg's own wait wakes
+        # every 0.1 s, which was most of an idle follower's CPU (bench/NOTES.md).
+        readable = select.poll()
+        readable.register(listener.fileno(), select.POLLIN)
         while not self.stop.is_set() and (left := end - time.monotonic()) > 0:
-            if next(listener.notifies(timeout=min(left, STOP_CHECK_S), stop_after=1), None):
+            if readable.poll(min(left, STOP_CHECK_S) * 1000) != [] and any(
+                listener.notifies(timeout=STOP_CHECK_S, stop_after=1)
+            ):
                 return
             rollouts.tick(self.catchup, s.host_id)  # a rollout's step decided (or not)
 

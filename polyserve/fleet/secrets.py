@@ -15,7 +15,7 @@ import psycopg
 from polyserve.fleet.changes import Change, log_change
 from polyserve.fleet.connection import Connection
 from polyserve.fleet.schema import CHANGE_LOCK
-from polyserve.state.secrets import unknown_secret
+from polyserve.state.secrets import entry, unknown_secret
 
 
 class SecretRows(Connection):
@@ -78,7 +78,7 @@ class SecretRows(Connection):
             ).fetchall()
         found: dict[str, dict[str, dict[str, Any]]] = {}
         for owner, name, value, at in rows:
-            found.setdefault(owner, {})[name] = {"value": bytes(value).decode(), "updated_at": at}
+            found.setdefault(owner, {})[name] = entry(value, at)
         return found
 
 

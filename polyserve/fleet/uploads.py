@@ -12,6 +12,7 @@ import psycopg
 
 from polyserve.fleet.connection import Connection
 from polyserve.names import DEFAULT_POOL
+from polyserve.state.secrets import entry
 
 CHUNK = 1 << 20  # an upload moves to and from the database in slices this long
 
@@ -24,22 +25,40 @@ class Stored:
     sha256: str
     meta: dict[str, Any]
     size: int | None  # the upload's bytes (download()); None: another pool's, not read
+    # The space's secrets as a host's file holds them, when fetched with them: none
+    # unless the version runs in the pool asked for (fetch's `secrets`).
+    secrets: dict[str, dict[str, Any]] | None = None
 
 
 class Uploads(Connection):
     """A stored version's metadata and bytes, read back."""
 
-    def fetch(self, space: str, number: int, pool: str | None = None) -> Stored | None:
+    def fetch(
+        self, space: str, number: int, pool: str | None = None, secrets: bool = False
+    ) -> Stored | None:
         """A version and the size of its bytes; with `pool`, the size only if the version
-        runs in that pool (a host does not download what it will never import)."""
+        runs in that pool (a host does not download what it will never import). With
+        `secrets`, the space's secrets too if it runs in `pool`: a follower applying a
+        deploy reads both in one round trip."""
+        mine = "coalesce(v.meta->>'pool', %(default)s) = %(pool)s"
         with self.session() as conn:
             row = conn.execute(
-                "SELECT number, sha256, meta, CASE WHEN %s::text IS NULL"
-                " OR coalesce(meta->>'pool', %s) = %s THEN length(data) END"
-                " FROM polyserve_versions WHERE space = %s AND number = %s",
-                (pool, DEFAULT_POOL, pool, space, number),
+                "SELECT v.number, v.sha256, v.meta,"
+                f" CASE WHEN %(pool)s::text IS NULL OR {mine} THEN length(v.data) END,"
+                " s.names, s.vals, s.ats FROM polyserve_versions v LEFT JOIN LATERAL"
+                " (SELECT array_agg(name) AS names, array_agg(value) AS vals,"
+                " array_agg(extract(epoch FROM updated_at)::float8) AS ats"
+                f" FROM polyserve_secrets WHERE %(secrets)s AND space = v.space AND {mine}) s"
+                " ON true WHERE v.space = %(space)s AND v.number = %(number)s",
+                {"default": DEFAULT_POOL, "pool": pool, "secrets": secrets, "space": space}
+                | {"number": number},
             ).fetchone()
-        return None if row is None else Stored(*row)
+        if row is None:
+            return None
+        number, sha256, meta, size, names, values, ats = row
+        rows = zip(names or [], values or [], ats or [], strict=True)
+        found = {name: entry(value, at) for name, value, at in rows}
+        return Stored(number, sha256, meta, size, found if secrets else None)
 
     def download(self, space: str, stored: Stored, out: BinaryIO) -> str:
         """Write a version's bytes to `out`, CHUNK at a time (the process never holds the

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -54,31 +55,38 @@ class History:
 
     def read(self, space: str, limit: int) -> list[dict[str, object]]:
         """The last `limit` events of the space's history, oldest first."""
+        return list(self._newest(space, limit))[::-1]
+
+    def _newest(self, space: str, limit: int) -> Iterator[dict[str, object]]:
+        """The last `limit` events of the space's history, newest first, each decoded
+        only when asked for."""
         try:
             lines = (self.spaces_dir / space / "history.jsonl").read_bytes().splitlines()
         except FileNotFoundError:
-            return []
+            return
         except OSError as exc:  # unreadable: pruning then ranks by number alone
             log.warning("%s: could not read its history: %s", space, exc)
-            return []
-        events = []
-        for line in lines[-limit:]:
+            return
+        for line in reversed(lines[-limit:]):
             with contextlib.suppress(ValueError):  # a line cut by a crash mid-append
-                events.append(json.loads(line))
-        return events
+                yield json.loads(line)
 
-    def ranked(self, space: str, numbers: set[int]) -> list[int]:
-        """`numbers`, the most recently made current first; those the history no longer
-        names (or never did: a data directory from before it) after them, newest
-        number first."""
+    def ranked(self, space: str, numbers: set[int], first: int) -> list[int]:
+        """The first `first` of `numbers`, the most recently made current first; those
+        the history no longer names (or never did: a data directory from before it)
+        after them, newest number first. Events are decoded from the newest only until
+        `first` are ranked: every move of `current` prunes, and a space deployed in a
+        loop has hundreds of them."""
         ranked: list[int] = []
-        for event in reversed(self.read(space, HISTORY_KEEP)):
+        for event in self._newest(space, HISTORY_KEEP):
+            if len(ranked) >= min(first, len(numbers)):
+                break
             number = event.get("version")
             activated = event.get("event") in ("deploy", "rollback")
             if activated and isinstance(number, int) and number in numbers - set(ranked):
                 ranked.append(number)
         rest = sorted(numbers.difference(ranked), reverse=True)
-        return ranked + rest
+        return (ranked + rest)[:first]
 
 
 def version_summary(meta: dict[str, object], number: int, current: int | None) -> dict[str, object]:

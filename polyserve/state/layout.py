@@ -5,7 +5,7 @@ Layout under POLYSERVE_DATA_DIR::
     store.lock                      flock held while publishing, deleting or allocating
     slots.log                       which space owns each slot (polyserve.state.slots)
     staging/<random>/               one fresh directory per deploy in progress
-    spaces/<owner>/<name>/last      the last version number handed out
+    spaces/<owner>/<name>/last      the last version number handed out (a symlink's target)
     spaces/<owner>/<name>/current   symlink -> versions/<n>, replaced atomically
     spaces/<owner>/<name>/versions/<n>/       immutable files of version n
     spaces/<owner>/<name>/versions/<n>.json   its metadata
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from polyserve.names import DEFAULT_POOL
+from polyserve.state.files import read_short
 from polyserve.state.history import version_summary
 from polyserve.state.secrets import SecretFiles
 
@@ -101,7 +102,9 @@ class Layout:
     def holds_files(self, space: str) -> bool:
         """Whether any version of the space has its files on disk here."""
         try:
-            return any(entry.is_dir() for entry in (self.space_dir(space) / "versions").iterdir())
+            # scandir: the directory's own entry types, not a stat of each of its files.
+            with os.scandir(self.space_dir(space) / "versions") as entries:
+                return any(entry.is_dir() for entry in entries)
         except FileNotFoundError:
             return False
 
@@ -163,8 +166,8 @@ def current_number(sdir: Path) -> int | None:
 
 
 def read_int(path: Path) -> int:
-    """A number kept in a file; 0 when the file does not exist yet."""
+    """A number kept at `path` (a symlink's target or a file's text); 0 when there is none yet."""
     try:
-        return int(path.read_text())
+        return int(read_short(path))
     except FileNotFoundError:
         return 0

@@ -27,6 +27,11 @@ MAX_VALUE = 64 << 10  # bytes of one value
 MAX_SECRETS = 100  # secrets of one space
 
 
+def entry(value: bytes, updated_at: float) -> dict[str, Any]:
+    """One secret as a space's file holds it, from the fleet's row of it."""
+    return {"value": bytes(value).decode(), "updated_at": updated_at}
+
+
 def check_name(name: str) -> str:
     """The name, or ClientError 400 saying what a name may be."""
     if not NAME.fullmatch(name):

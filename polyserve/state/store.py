@@ -28,7 +28,7 @@ from typing import BinaryIO
 from polyserve.errors import ClientError, disk_full_is_507
 from polyserve.names import DEFAULT_POOL
 from polyserve.state import access
-from polyserve.state.files import symlink_atomic, write_atomic
+from polyserve.state.files import symlink_atomic, write_atomic, write_short
 from polyserve.state.history import Event, History, rollback_target
 from polyserve.state.layout import Layout, current_number, read_int
 from polyserve.state.layout import Version as Version  # re-exported: workers import it here
@@ -201,7 +201,7 @@ class Store(Layout):
             previous = current_number(sdir)
             event: Event = "rollback"
             if number > read_int(sdir / "last"):
-                write_atomic(sdir / "last", str(number).encode())
+                write_short(sdir / "last", str(number))
                 event = "deploy"
             symlink_atomic(f"versions/{number}", sdir / "current")
             self.history.record(space, event, number, previous)
@@ -234,7 +234,7 @@ class Store(Layout):
         with disk_full_is_507():
             write_atomic(sdir / "versions" / f"{number}.json", json.dumps(meta).encode())
             if number > read_int(sdir / "last"):
-                write_atomic(sdir / "last", str(number).encode())
+                write_short(sdir / "last", str(number))
             write_atomic(sdir / "waiting", str(number).encode(), fsync=True)
         return NO_SLOT if slot is None else slot
 
@@ -334,8 +334,8 @@ class Store(Layout):
         found = [(int(name), path) for name, path in names if name.isdigit()]
         keep = {current}
         if current is not None:  # a deleted space keeps only what is held
-            ranked = self.history.ranked(space, {number for number, _ in found})
-            keep.update(ranked[: self.keep_versions])
+            numbers = {number for number, _ in found}
+            keep.update(self.history.ranked(space, numbers, self.keep_versions))
             keep.update(self.pins(space))
             waiting = self.waiting(space)
             if waiting == current:  # made current (every move prunes): the history ranks it

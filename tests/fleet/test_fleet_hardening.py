@@ -308,6 +308,45 @@ def test_a_large_fleet_deploy_streams_through_the_receiving_worker_and_the_follo
         assert growth["RssAnon"] < (size >> 10) // 4, (name, grown)
 
 
+def test_a_follower_reads_a_version_with_its_secrets_only_in_its_pool(fleet_db):
+    """One round trip per deploy: the version and, for a host of its pool alone, the
+    space's secrets (a host of another pool gets none, as it keeps no file of them)."""
+    db = FleetDB(fleet_db)
+    data = b"def handle(request):\n    return {}\n"
+    sha = hashlib.sha256(data).hexdigest()
+    change = db.deploy("lee/keys", io.BytesIO(data), sha, {"pool": "cpu"}, Fit("x", 10, 0))
+    assert db.fetch("lee/keys", change.version, "cpu", secrets=True).secrets == {}
+    db.set_secret("lee/keys", "API_KEY", "k1")
+    db.set_secret("lee/keys", "OTHER", "k2")
+    ours = db.fetch("lee/keys", change.version, "cpu", secrets=True)
+    assert ours is not None and ours.size == len(data)
+    assert ours.secrets == db.secrets("lee/keys")["lee/keys"]
+    assert sorted(ours.secrets) == ["API_KEY", "OTHER"] and ours.secrets["OTHER"]["value"] == "k2"
+    theirs = db.fetch("lee/keys", change.version, "gpu", secrets=True)
+    assert theirs is not None and theirs.size is None and theirs.secrets == {}
+    assert db.fetch("lee/keys", change.version, "cpu").secrets is None  # not asked for
+    db.close()
+
+
+def test_the_changes_since_one_say_whether_the_fleet_still_has_it(fleet_db):
+    """A follower's poll is one query: the changes after the one it applied, and that
+    one's token as the fleet has it (None: the fleet's database went back before it)."""
+    db = FleetDB(fleet_db)
+    first, second = (
+        db.deploy("lee/log", io.BytesIO(b"x = 1\n"), "0" * 64, {}, Fit("x", 10, 0))
+        for _ in range(2)
+    )
+    assert db.changes_since(0, 10) == (None, [first, second])
+    assert db.changes_since(first.id, 10) == (first.token, [second])
+    assert db.changes_since(first.id, 0) == (first.token, [])
+    assert db.changes_since(second.id, 10) == (second.token, [])
+    assert db.changes_since(second.id + 1, 10) == (None, [])
+    with psycopg.connect(fleet_db, autocommit=True) as conn:
+        conn.execute("DELETE FROM polyserve_changes WHERE id = %s", (first.id,))
+    assert db.changes_since(first.id, 1) == (None, [second])
+    db.close()
+
+
 def test_the_fleet_store_reads_back_what_it_streamed_in(fleet_db):
     """The binary COPY and the sliced read agree byte for byte, across slice edges."""
     db = FleetDB(fleet_db)

@@ -50,3 +50,16 @@ def test_the_temporary_name_is_hidden_and_never_a_finished_file(tmp_path):
     """Readers list `*.log` and `*.json`: a leftover temporary file is neither."""
     name = files._beside(Path(tmp_path / "current.log")).name
     assert name.startswith(".") and not name.endswith((".log", ".json"))
+
+
+def test_a_short_text_is_a_symlinks_target_and_read_from_a_file_too(tmp_path):
+    """write_short keeps it in a symlink (no data block to allocate and flush on each
+    change); read_short also reads the file an earlier polyserve wrote in its place."""
+    mark = tmp_path / "fleet.applied"
+    with pytest.raises(FileNotFoundError):
+        files.read_short(mark)
+    mark.write_text("7 a-token")  # as written before marks were symlinks
+    assert files.read_short(mark) == "7 a-token"
+    files.write_short(mark, "8 another-token")
+    assert mark.is_symlink() and files.read_short(mark) == "8 another-token"
+    assert os.listdir(tmp_path) == ["fleet.applied"]

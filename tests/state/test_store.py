@@ -185,6 +185,16 @@ def test_old_versions_are_pruned(store):
     assert kept == sorted(expected + [f"{n}.json" for n in expected])
 
 
+def test_numbers_go_on_from_a_last_file_an_earlier_polyserve_wrote(store):
+    publish(store, "o/s", {"main.py": ""})
+    last = store.space_dir("o/s") / "last"
+    assert last.is_symlink()
+    last.unlink()
+    last.write_text("7")  # a data directory from before `last` was a symlink
+    assert publish(store, "o/s", {"main.py": ""}) == (0, 8)
+    assert os.readlink(last) == "8"
+
+
 def test_delete_unpublishes_but_the_slot_stays(store):
     publish(store, "o/s", {"main.py": ""})
     publish(store, "o/t", {"main.py": ""})
@@ -329,6 +339,21 @@ def test_the_history_records_deploys_rollbacks_releases_and_deletes_in_order(sto
     times = [e["at"] for e in store.history.read("o/s", 100)]
     assert times == sorted(times)
     assert [e["event"] for e in store.history.read("o/s", 2)] == ["release", "delete"]
+
+
+def test_pruning_ranks_versions_from_the_newest_events_alone(store):
+    """ranked() decodes the history from its newest event back only until it has as
+    many as it was asked for: the same order as ranking the whole history."""
+    store.space_dir("o/s").mkdir(parents=True)
+    events = [("deploy", n) for n in range(1, 9)]
+    events += [("rollback", 3), ("release", 3), ("rollback", 6), ("deploy", 9), ("rollback", 2)]
+    for event, number in events:
+        store.history.record("o/s", event, number, None)
+    numbers = set(range(1, 10)) | {42}  # 42: a version the history does not name
+    whole = [2, 9, 6, 3, 8, 7, 5, 4, 1, 42]
+    for first in range(12):
+        assert store.history.ranked("o/s", numbers, first) == whole[:first]
+    assert store.history.ranked("o/s", {1, 6}, 1) == [6]
 
 
 def test_each_version_remembers_what_it_replaced(store):
