@@ -333,10 +333,10 @@ def _interrupt_rollout(conn: psycopg.Connection, space: str, current: int | None
         "SELECT state FROM polyserve_rollouts WHERE space = %s FOR UPDATE", (space,)
     ).fetchone()
     state = dict(row[0]) if row else None
-    why = None if state is None else rollouts.interrupted(state, current)
-    if state is None or why is None:
+    ended = None if state is None else rollouts.interrupted(state, current)
+    if state is None or ended is None:
         return
-    rollouts.over(state, "aborted", why, time.time())
+    rollouts.over(state, *ended, time.time())
     conn.execute(
         "UPDATE polyserve_rollouts SET state = %s::jsonb, updated_at = now() WHERE space = %s",
         (json.dumps(state), space),
