@@ -59,7 +59,7 @@ class RolloutRows(Connection):
 
     def rollout_start(self, space: str, asked: dict[str, Any]) -> tuple[Change, dict[str, Any]]:
         """Commit a new rollout (rollouts.parse's `asked`); ClientError 404 (not deployed,
-        or the fleet stores no such version) or 409 (one is live, or it is current)."""
+        or the space keeps no such version: _kept) or 409 (one is live, or it is current)."""
         with _changing(self) as conn:
             row = conn.execute(
                 "SELECT current_version FROM polyserve_spaces WHERE name = %s", (space,)
@@ -67,19 +67,13 @@ class RolloutRows(Connection):
             if row is None or row[0] is None:
                 raise ClientError(404, f"space {space} is not deployed", space=space)
             current, new = int(row[0]), int(asked["version"])
-            stored = [
-                r[0]
-                for r in conn.execute(
-                    "SELECT number FROM polyserve_versions WHERE space = %s ORDER BY number",
-                    (space,),
-                ).fetchall()
-            ]
-            if new not in stored:
+            kept = _kept(conn, space)
+            if new not in kept:
                 raise ClientError(
                     404,
-                    f"the fleet stores no version {new} of {space}: it stores {stored}",
+                    f"space {space} keeps no version {new} to roll out: it keeps {kept}",
                     space=space,
-                    kept=stored,
+                    kept=kept,
                 )
             if new == current:
                 raise ClientError(409, f"version {new} of {space} is current already", space=space)
@@ -220,6 +214,21 @@ class _Changing:
             self._tx.__exit__(*exc)
         finally:
             self._session.__exit__(*exc)
+
+
+def _kept(conn: psycopg.Connection, space: str) -> list[int]:
+    """The stored versions the space keeps: those deployed (or made current again) since
+    its last delete. The fleet store prunes no version, but one from before a delete is
+    another life's, as a single host (which dropped its files) answers too."""
+    rows = conn.execute(
+        "SELECT DISTINCT c.version FROM polyserve_changes c"
+        " JOIN polyserve_versions v ON v.space = c.space AND v.number = c.version"
+        " WHERE c.space = %s AND c.kind IN ('deploy', 'rollout') AND c.id > coalesce("
+        "(SELECT max(id) FROM polyserve_changes WHERE space = %s AND kind = 'delete'), 0)"
+        " ORDER BY c.version",
+        (space, space),
+    ).fetchall()
+    return [int(r[0]) for r in rows]
 
 
 def _locked_state(conn: psycopg.Connection, space: str) -> dict[str, Any] | None:

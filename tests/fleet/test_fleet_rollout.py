@@ -320,6 +320,26 @@ def test_a_rollback_to_the_rollouts_new_version_completes_it_fleet_wide(host_fac
     assert r.status_code == 200, r.text  # none live: the space's next rollout starts
 
 
+def test_a_rollout_of_a_version_from_before_the_spaces_delete_is_a_404(host_factory, fleet_db):
+    """The fleet store holds every version, but one deployed before the space's delete
+    is not kept by the space deployed again: a rollout of it is a 404 listing the kept
+    ones, as on a single host, and nothing is committed."""
+    (a,) = start_fleet(host_factory, fleet_db, "a")
+    deploy(a, "fr/life", source("one"))
+    deploy(a, "fr/life", source("two"), current=False)
+    assert httpx.delete(f"{a.url}/_polyserve/spaces/fr/life", timeout=60).status_code == 200
+    deploy(a, "fr/life", source("three"))
+    deploy(a, "fr/life", source("four"), current=False)
+    for version in (2, 9):
+        r = post(a, "fr/life/rollout", version=version, steps=[50, 100], step_s=3600)
+        assert r.status_code == 404, r.text
+        assert r.json()["kept"] == [3, 4] and f"no version {version}" in r.json()["error"]
+    with psycopg.connect(fleet_db) as conn:
+        assert conn.execute("SELECT count(*) FROM polyserve_rollouts").fetchone() == (0,)
+    r = post(a, "fr/life/rollout", version=4, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+
+
 def test_a_rollout_write_a_host_has_not_applied_answers_202_as_its_spec_says(
     host_factory, fleet_db
 ):
