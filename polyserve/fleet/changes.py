@@ -109,8 +109,8 @@ class ChangeLog(Connection):
         """Make a stored version current again, logged as a deploy of that (older)
         number: every follower applies it as it applies a deploy, fetching the bytes
         it no longer has. Returns (the change, the version it replaced, its metadata);
-        ClientError 404 when the space is not deployed or the fleet stores no such
-        version (the error lists the stored ones)."""
+        ClientError 404 when the space is not deployed or does not keep such a version
+        (kept_versions: one from before its delete is not; the error lists the kept)."""
         with self._changing() as conn:
             row = conn.execute(
                 "SELECT s.current_version, v.meta FROM polyserve_spaces s"
@@ -128,7 +128,8 @@ class ChangeLog(Connection):
                 (space,),
             ).fetchall()
             metas = dict(stored)
-            number = rollback_target(space, current, current_meta, list(metas), asked)
+            kept = kept_versions(conn, space)
+            number = rollback_target(space, current, current_meta, kept, asked)
             conn.execute(
                 "UPDATE polyserve_spaces SET current_version = %s WHERE name = %s",
                 (number, space),
@@ -322,6 +323,21 @@ def _current(conn: psycopg.Connection, space: str) -> int | None:
         "SELECT current_version FROM polyserve_spaces WHERE name = %s", (space,)
     ).fetchone()
     return row[0] if row else None
+
+
+def kept_versions(conn: psycopg.Connection, space: str) -> list[int]:
+    """The stored versions the space keeps: those deployed (or made current again) since
+    its last delete. The fleet store prunes no version, but one from before a delete is
+    another life's, as a single host (which dropped its files) answers too."""
+    rows = conn.execute(
+        "SELECT DISTINCT c.version FROM polyserve_changes c"
+        " JOIN polyserve_versions v ON v.space = c.space AND v.number = c.version"
+        " WHERE c.space = %s AND c.kind IN ('deploy', 'rollout') AND c.id > coalesce("
+        "(SELECT max(id) FROM polyserve_changes WHERE space = %s AND kind = 'delete'), 0)"
+        " ORDER BY c.version",
+        (space, space),
+    ).fetchall()
+    return [int(r[0]) for r in rows]
 
 
 def _interrupt_rollout(conn: psycopg.Connection, space: str, current: int | None) -> None:

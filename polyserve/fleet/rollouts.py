@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from polyserve.errors import ClientError
-from polyserve.fleet.changes import Change, log_change
+from polyserve.fleet.changes import Change, kept_versions, log_change
 from polyserve.fleet.connection import Connection
 from polyserve.fleet.schema import CHANGE_LOCK
 from polyserve.state import rollouts
@@ -59,7 +59,8 @@ class RolloutRows(Connection):
 
     def rollout_start(self, space: str, asked: dict[str, Any]) -> tuple[Change, dict[str, Any]]:
         """Commit a new rollout (rollouts.parse's `asked`); ClientError 404 (not deployed,
-        or the space keeps no such version: _kept) or 409 (one is live, or it is current)."""
+        or the space keeps no such version: kept_versions) or 409 (one is live, or it is
+        current)."""
         with _changing(self) as conn:
             row = conn.execute(
                 "SELECT current_version FROM polyserve_spaces WHERE name = %s", (space,)
@@ -67,7 +68,7 @@ class RolloutRows(Connection):
             if row is None or row[0] is None:
                 raise ClientError(404, f"space {space} is not deployed", space=space)
             current, new = int(row[0]), int(asked["version"])
-            kept = _kept(conn, space)
+            kept = kept_versions(conn, space)
             if new not in kept:
                 raise ClientError(
                     404,
@@ -214,21 +215,6 @@ class _Changing:
             self._tx.__exit__(*exc)
         finally:
             self._session.__exit__(*exc)
-
-
-def _kept(conn: psycopg.Connection, space: str) -> list[int]:
-    """The stored versions the space keeps: those deployed (or made current again) since
-    its last delete. The fleet store prunes no version, but one from before a delete is
-    another life's, as a single host (which dropped its files) answers too."""
-    rows = conn.execute(
-        "SELECT DISTINCT c.version FROM polyserve_changes c"
-        " JOIN polyserve_versions v ON v.space = c.space AND v.number = c.version"
-        " WHERE c.space = %s AND c.kind IN ('deploy', 'rollout') AND c.id > coalesce("
-        "(SELECT max(id) FROM polyserve_changes WHERE space = %s AND kind = 'delete'), 0)"
-        " ORDER BY c.version",
-        (space, space),
-    ).fetchall()
-    return [int(r[0]) for r in rows]
 
 
 def _locked_state(conn: psycopg.Connection, space: str) -> dict[str, Any] | None:

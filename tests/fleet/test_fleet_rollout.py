@@ -322,8 +322,8 @@ def test_a_rollback_to_the_rollouts_new_version_completes_it_fleet_wide(host_fac
 
 def test_a_rollout_of_a_version_from_before_the_spaces_delete_is_a_404(host_factory, fleet_db):
     """The fleet store holds every version, but one deployed before the space's delete
-    is not kept by the space deployed again: a rollout of it is a 404 listing the kept
-    ones, as on a single host, and nothing is committed."""
+    is not kept by the space deployed again: a rollout of it, or a rollback to it, is a
+    404 listing the kept ones, as on a single host, and nothing is committed."""
     (a,) = start_fleet(host_factory, fleet_db, "a")
     deploy(a, "fr/life", source("one"))
     deploy(a, "fr/life", source("two"), current=False)
@@ -334,8 +334,11 @@ def test_a_rollout_of_a_version_from_before_the_spaces_delete_is_a_404(host_fact
         r = post(a, "fr/life/rollout", version=version, steps=[50, 100], step_s=3600)
         assert r.status_code == 404, r.text
         assert r.json()["kept"] == [3, 4] and f"no version {version}" in r.json()["error"]
+    back = post(a, "fr/life/rollback", version=1)
+    assert back.status_code == 404 and back.json()["kept"] == [3, 4], back.text
     with psycopg.connect(fleet_db) as conn:
         assert conn.execute("SELECT count(*) FROM polyserve_rollouts").fetchone() == (0,)
+    assert a.get("/s/fr/life/").json() == {"v": "three"}
     r = post(a, "fr/life/rollout", version=4, steps=[50, 100], step_s=3600)
     assert r.status_code == 200, r.text
 
