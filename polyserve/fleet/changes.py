@@ -344,7 +344,9 @@ def _interrupt_rollout(conn: psycopg.Connection, space: str, current: int | None
     """After a move of the space's `current` to `current` (None: deleted), logged: end its
     live rollout if the move ends it (rollouts.interrupted), with a change of its own, so
     every host takes the ended state. Each host ends its own copy already when it
-    applies the move (Changes.moved): no request after the move goes to the new version."""
+    applies the move (Changes.moved): no request after the move goes to the new version.
+    A move to the rollout's new version (completed by hand) is the one a host leaves to
+    this change: every request gets that version already."""
     row = conn.execute(
         "SELECT state FROM polyserve_rollouts WHERE space = %s FOR UPDATE", (space,)
     ).fetchone()
