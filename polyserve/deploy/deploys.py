@@ -56,7 +56,7 @@ class Deploys:
         self.store = store
         # Every local change is the state wing's one step, which reads the table through
         # the broadcast: `table` is no longer read here.
-        self.changes = Changes(store, broadcast, refresh)
+        self.changes = Changes(store, broadcast, refresh, fleet=fleet is not None)
         self.host_limiter = host_limiter  # the host's own threads: no tenant can exhaust them
         self.fleet = fleet  # with POLYSERVE_DATABASE_URL: the fleet's database decides
         self.floor = floor  # a worker's memory holding no space, once its registry knows

@@ -109,8 +109,8 @@ class ChangeLog(Connection):
         """Make a stored version current again, logged as a deploy of that (older)
         number: every follower applies it as it applies a deploy, fetching the bytes
         it no longer has. Returns (the change, the version it replaced, its metadata);
-        ClientError 404 when the space is not deployed or the fleet stores no such
-        version (the error lists the stored ones)."""
+        ClientError 404 when the space is not deployed or does not keep such a version
+        (kept_versions: one from before its delete is not; the error lists the kept)."""
         with self._changing() as conn:
             row = conn.execute(
                 "SELECT s.current_version, v.meta FROM polyserve_spaces s"
@@ -128,7 +128,8 @@ class ChangeLog(Connection):
                 (space,),
             ).fetchall()
             metas = dict(stored)
-            number = rollback_target(space, current, current_meta, list(metas), asked)
+            kept = kept_versions(conn, space)
+            number = rollback_target(space, current, current_meta, kept, asked)
             conn.execute(
                 "UPDATE polyserve_spaces SET current_version = %s WHERE name = %s",
                 (number, space),
@@ -321,19 +322,36 @@ def _current(conn: psycopg.Connection, space: str) -> int | None:
     return row[0] if row else None
 
 
+def kept_versions(conn: psycopg.Connection, space: str) -> list[int]:
+    """The stored versions the space keeps: those deployed (or made current again) since
+    its last delete. The fleet store prunes no version, but one from before a delete is
+    another life's, as a single host (which dropped its files) answers too."""
+    rows = conn.execute(
+        "SELECT DISTINCT c.version FROM polyserve_changes c"
+        " JOIN polyserve_versions v ON v.space = c.space AND v.number = c.version"
+        " WHERE c.space = %s AND c.kind IN ('deploy', 'rollout') AND c.id > coalesce("
+        "(SELECT max(id) FROM polyserve_changes WHERE space = %s AND kind = 'delete'), 0)"
+        " ORDER BY c.version",
+        (space, space),
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
 def _interrupt_rollout(conn: psycopg.Connection, space: str, current: int | None) -> None:
     """After a move of the space's `current` to `current` (None: deleted), logged: end its
     live rollout if the move ends it (rollouts.interrupted), with a change of its own, so
     every host takes the ended state. Each host ends its own copy already when it
-    applies the move (Changes.moved): no request after the move goes to the new version."""
+    applies the move (Changes.moved): no request after the move goes to the new version.
+    A move to the rollout's new version (completed by hand) is the one a host leaves to
+    this change: every request gets that version already."""
     row = conn.execute(
         "SELECT state FROM polyserve_rollouts WHERE space = %s FOR UPDATE", (space,)
     ).fetchone()
     state = dict(row[0]) if row else None
-    why = None if state is None else rollouts.interrupted(state, current)
-    if state is None or why is None:
+    ended = None if state is None else rollouts.interrupted(state, current)
+    if state is None or ended is None:
         return
-    rollouts.over(state, "aborted", why, time.time())
+    rollouts.over(state, *ended, time.time())
     conn.execute(
         "UPDATE polyserve_rollouts SET state = %s::jsonb, updated_at = now() WHERE space = %s",
         (json.dumps(state), space),

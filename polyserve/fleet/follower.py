@@ -54,7 +54,9 @@ class Follower:
         # (None: not joined yet, so nothing to write: the next boot bills it all).
         self.baseline: Totals | None = None
         self.db = FleetDB(settings.database_url, settings.fleet_timeout_s)
-        self.catchup = CatchUp(settings, self.db, Changes(store, broadcast), self._installing)
+        self.catchup = CatchUp(
+            settings, self.db, Changes(store, broadcast, fleet=True), self._installing
+        )
         # This boot's first heartbeat makes it live, and comes after its first catch-up:
         # an install during that one (a joining host) heartbeats nothing.
         self._beaten = False

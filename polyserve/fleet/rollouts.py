@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from polyserve.errors import ClientError
-from polyserve.fleet.changes import Change, log_change
+from polyserve.fleet.changes import Change, kept_versions, log_change
 from polyserve.fleet.connection import Connection
 from polyserve.fleet.schema import CHANGE_LOCK
 from polyserve.state import rollouts
@@ -59,7 +59,8 @@ class RolloutRows(Connection):
 
     def rollout_start(self, space: str, asked: dict[str, Any]) -> tuple[Change, dict[str, Any]]:
         """Commit a new rollout (rollouts.parse's `asked`); ClientError 404 (not deployed,
-        or the fleet stores no such version) or 409 (one is live, or it is current)."""
+        or the space keeps no such version: kept_versions) or 409 (one is live, or it is
+        current)."""
         with _changing(self) as conn:
             row = conn.execute(
                 "SELECT current_version FROM polyserve_spaces WHERE name = %s", (space,)
@@ -67,19 +68,13 @@ class RolloutRows(Connection):
             if row is None or row[0] is None:
                 raise ClientError(404, f"space {space} is not deployed", space=space)
             current, new = int(row[0]), int(asked["version"])
-            stored = [
-                r[0]
-                for r in conn.execute(
-                    "SELECT number FROM polyserve_versions WHERE space = %s ORDER BY number",
-                    (space,),
-                ).fetchall()
-            ]
-            if new not in stored:
+            kept = kept_versions(conn, space)
+            if new not in kept:
                 raise ClientError(
                     404,
-                    f"the fleet stores no version {new} of {space}: it stores {stored}",
+                    f"space {space} keeps no version {new} to roll out: it keeps {kept}",
                     space=space,
-                    kept=stored,
+                    kept=kept,
                 )
             if new == current:
                 raise ClientError(409, f"version {new} of {space} is current already", space=space)

@@ -75,7 +75,7 @@ class Gate:
     def check(self, space: str, headers: list[tuple[bytes, bytes]]) -> int:
         """PUBLIC, or the cell of the key the request sent; raises Refused."""
         seen = self._seen.get(space)
-        if seen is None or self.words[seen.slot] != seen.word:
+        if seen is None or seen.slot == NO_SLOT or self.words[seen.slot] != seen.word:
             seen = self._read(space, seen)
             if seen is None:
                 return PUBLIC  # not deployed here: dispatch answers that
@@ -85,16 +85,16 @@ class Gate:
 
     def _read(self, space: str, before: _Seen | None) -> _Seen | None:
         """The space's access as its file says now; None when it is not deployed. A
-        space deployed with no slot here (a fleet host's, until its first request claims
-        one) is checked from its file and nothing is kept: no word would say when the
-        file changes."""
+        space deployed with no slot here (a fleet host's, until its first load claims
+        one) is read from its file at each request, as no word would say when the file
+        changes; a private one's record is kept all the same, as NO_SLOT's, so its keys'
+        buckets carry over from one read to the next (and to the slot it takes)."""
         slots = self.store.slots
         slots.refresh()  # a slot handed to another space since: this space has none
         slot = slots.slot(space)
-        if slot is None:
+        if slot is None and self.store.current(space) is None:
             self._seen.pop(space, None)
-            if self.store.current(space) is None:
-                return None
+            return None
         # Read before the file: a change after the read moves the word again.
         word = self.words[slot] if slot is not None else 0
         found = access_mod.read(self.store.root, space)
@@ -106,8 +106,10 @@ class Gate:
             keys = {k.digest: k for k in made}
         by_id = {k.id: k for k in (keys or {}).values()}
         seen = _Seen(NO_SLOT if slot is None else slot, word, keys, by_id)
-        if slot is not None:
+        if slot is not None or keys is not None:
             self._seen[space] = seen
+        else:  # public with no slot: nothing to carry over
+            self._seen.pop(space, None)
         return seen
 
     def _private(self, space: str, seen: _Seen, headers: list[tuple[bytes, bytes]]) -> int:

@@ -25,11 +25,18 @@ class Changes:
     """One process's way to change a space: the store, the table's words and the signal."""
 
     def __init__(
-        self, store: Store, broadcast: Broadcast, refresh: Callable[[], None] = lambda: None
+        self,
+        store: Store,
+        broadcast: Broadcast,
+        refresh: Callable[[], None] = lambda: None,
+        fleet: bool = False,
     ) -> None:
         self.store = store
         self.broadcast = broadcast
         self.refresh = refresh  # this worker's own swap, which no signal reaches
+        # A fleet host's rollouts are the fleet's rows: a move to a rollout's new version
+        # is ended by the row's change that follows it (rollouts.interrupted's own).
+        self.fleet = fleet
         # A deleted space's slot is handed over once its cells are reclaimable.
         self.reclaim = partial(meter.reclaimable, broadcast.table)
 
@@ -42,17 +49,18 @@ class Changes:
                 self.moved(space, slot)
         return slot
 
-    def moved(self, space: str, slot: int) -> None:
+    def moved(self, space: str, slot: int, completing: bool = False) -> None:
         """After `current` moved, the lock still held: bump the space's generation, so
         every worker's next request sees the change, and prune what no worker holds
         (after the bump, so what a worker holds stays). The access word moves too: a
         slot handed to another space, or a space deleted, has other access now. A live
         rollout this move ends is ended first: its word cleared before the bump, its
-        pins before the prune. A space with no slot here (NO_SLOT) has no worker holding
+        pins before the prune (`completing`: the move is the rollout's own completion,
+        which its driver ends). A space with no slot here (NO_SLOT) has no worker holding
         it: nothing to bump."""
-        rollouts.interrupt(
-            self.store, self.broadcast.table, space, None if slot == NO_SLOT else slot
-        )
+        if not completing:
+            table, own = self.broadcast.table, not self.fleet
+            rollouts.interrupt(self.store, table, space, None if slot == NO_SLOT else slot, own)
         if slot == NO_SLOT:
             self.store.prune(space, None)
             return

@@ -25,8 +25,9 @@ import fcntl
 import logging
 import os
 import shutil
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,39 @@ class OnDisk:
     number: int
     size: int  # the bytes of its files
     used: float  # its directory's mtime: its last load here, or its files' arrival
+
+
+@dataclass
+class OverBudget:
+    """The warning that the files stay over the budget because workers hold them: said
+    when a pass first finds it so, then at most once every `every_s` while it stays so
+    (each pass would say it again: hundreds under load), and once more, as info, when
+    the files fit again. One per process: each trims on its own."""
+
+    every_s: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    said_at: float | None = None
+
+    def over(self, total: int, budget: int) -> None:
+        now = self.clock()
+        if self.said_at is not None and now - self.said_at < self.every_s:
+            return
+        self.said_at = now
+        log.warning(
+            "disk budget: the files here take %d bytes, over POLYSERVE_DISK_BUDGET_MB's %d:"
+            " the rest are held by workers (said again at most every %g s while so)",
+            total, budget, self.every_s,
+        )  # fmt: skip
+
+    def fit(self, total: int, budget: int) -> None:
+        if self.said_at is not None:
+            self.said_at = None
+            log.info(
+                "disk budget: the files here take %d bytes, within its %d again", total, budget
+            )
+
+
+OVER_BUDGET = OverBudget()
 
 
 def on_disk(layout: Layout) -> list[OnDisk]:
@@ -86,24 +120,28 @@ def _dirs(path: str) -> list[os.DirEntry[str]]:
         return []
 
 
-def trim(store: Store, broadcast: Broadcast, budget: int) -> list[OnDisk]:
+def trim(
+    store: Store, broadcast: Broadcast, budget: int, warning: OverBudget = OVER_BUDGET
+) -> list[OnDisk]:
     """Remove the files of the least recently used versions no worker holds or is
     loading, until the files here take at most `budget` bytes; returns what it removed.
-    The disk's trouble is logged, not raised: the next pass tries again."""
+    The disk's trouble is logged, not raised: the next pass tries again. Files that
+    stay over the budget (held) are told by `warning`."""
     try:
-        return _trim(store, broadcast, budget)
+        return _trim(store, broadcast, budget, warning)
     except OSError:
         log.exception("disk budget: the pass failed")
         return []
 
 
-def _trim(store: Store, broadcast: Broadcast, budget: int) -> list[OnDisk]:
+def _trim(store: Store, broadcast: Broadcast, budget: int, warning: OverBudget) -> list[OnDisk]:
     """trim's work. The data directory is listed before the store lock (a long walk on a
     host of many spaces); each version is looked at again under it, where its files are
     moved aside, and deleted after it."""
     found = on_disk(store)
     total = sum(v.size for v in found)
     if total <= budget:
+        warning.fit(total, budget)
         return []
     trash: list[Path] = []
     removed: list[OnDisk] = []
@@ -128,11 +166,9 @@ def _trim(store: Store, broadcast: Broadcast, budget: int) -> list[OnDisk]:
             version.space, version.number, version.size,
         )  # fmt: skip
     if total > budget:
-        log.warning(
-            "disk budget: the files here take %d bytes, over POLYSERVE_DISK_BUDGET_MB's %d:"
-            " the rest are held by workers",
-            total, budget,
-        )  # fmt: skip
+        warning.over(total, budget)
+    else:
+        warning.fit(total, budget)
     return removed
 
 

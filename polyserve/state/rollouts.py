@@ -275,29 +275,41 @@ def claimed(store: Store, table: Table, space: str, slot: int) -> None:
     table.rollouts[slot] = word_of(state)
 
 
-def interrupted(state: dict[str, Any], current: int | None) -> str | None:
-    """Why `current` moving to `current` (None: the space deleted) ends this rollout, or
-    None when it does not: a live rollout ends unless its own versions still serve (its
-    completion moves `current` to its new version)."""
-    if state["status"] not in LIVE or current in (state["old"], state["version"]):
+def interrupted(
+    state: dict[str, Any], current: int | None, own: bool = True
+) -> tuple[str, str] | None:
+    """How `current` moving to `current` (None: the space deleted) ends this rollout, as
+    (its status, its reason), or None when it does not. A move to its old version (a
+    slot's claim moves nothing) leaves it live; a move elsewhere aborts it. A move to its
+    new version made by hand (a rollback) completes it: that version stays current and
+    the rollout, with nothing left to do, never rolls back later. The rollout's own
+    completion moves `current` there too, and ends it itself (Changes.moved is told).
+    own=False, a fleet host's copy, leaves that move to the fleet's row: its rollout
+    change, right after the move's, ends this copy, by hand or by its completion."""
+    if state["status"] not in LIVE or current == state["old"]:
         return None
     if current is None:
-        return "the space was deleted"
-    return f"version {current} was made current meanwhile"
+        return "aborted", "the space was deleted"
+    if current != state["version"]:
+        return "aborted", f"version {current} was made current meanwhile"
+    if not own:
+        return None  # every request gets the new version already: the split is moot
+    return "completed", f"version {current} was made current by hand"
 
 
-def interrupt(store: Store, table: Table, space: str, slot: int | None) -> None:
+def interrupt(store: Store, table: Table, space: str, slot: int | None, own: bool = True) -> None:
     """After a deploy, rollback or delete moved `current` (the store lock held, before
     the bump): the space's live rollout ends now if that move ends it, so no request
     after the move's answer goes to the rollout's new version. `slot` is None when the
-    space has none on this host."""
+    space has none on this host; `own` as interrupted() takes it."""
     state = read(store.root, space)
     current = store.current(space)
-    why = None if state is None else interrupted(state, None if current is None else current.number)
-    if state is not None and why is not None:
-        _end(store, table, state, "aborted", why, time.time(), slot)
+    number = None if current is None else current.number
+    ended = None if state is None else interrupted(state, number, own)
+    if state is not None and ended is not None:
+        _end(store, table, state, *ended, time.time(), slot)
         write(store.root, state)
-        log.info("%s: its rollout ended: %s", space, why)
+        log.info("%s: its rollout ended (%s): %s", space, *ended)
 
 
 def over(state: dict[str, Any], status: str, reason: str, now: float) -> None:
@@ -428,7 +440,7 @@ class Driver:
         # The last step: the new version becomes current as a rollback moves it (bump,
         # prune, announce), so the deploy contract holds for whoever asks next.
         moved = self.store.reactivate(space, version)[0]
-        self.changes.moved(space, moved)
+        self.changes.moved(space, moved, completing=True)
         _end(self.store, self.table, state, "completed", str(state["reason"]), now)
         log.info("%s: rollout completed, version %d is current", space, version)
         return True

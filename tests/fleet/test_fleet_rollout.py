@@ -103,7 +103,9 @@ def test_a_good_version_completes_fleet_wide_and_becomes_current(host_factory, f
         return all(state(h, "fr/good")["status"] == "completed" for h in (a, b))
 
     until(completed, what="the rollout to complete on both hosts")
-    # The step was decided once, from both hosts' counts.
+    # The step was decided once, from both hosts' counts; its own move to version 2
+    # completes it as the decision says (not as a move by hand would).
+    assert {state(h, "fr/good")["reason"] for h in (a, b)} == {"version 2 is current"}
     (step,) = state(a, "fr/good")["history"]
     assert step["weight"] == 50 and step["new"]["requests"] + step["old"]["requests"] >= 2
     # Version 2 was current before the rollout ended anywhere: its move is logged first,
@@ -289,6 +291,56 @@ def test_a_deploy_through_another_host_mid_step_ends_the_rollout_fleet_wide(host
     r = post(b, "fr/moved/rollout", version=4, steps=[50, 100], step_s=3600)
     assert r.status_code == 200, r.text
     assert r.json()["old"] == 3
+
+
+def test_a_rollback_to_the_rollouts_new_version_completes_it_fleet_wide(host_factory, fleet_db):
+    """A rollback by hand through another host to a live rollout's new version ends the
+    rollout in the fleet's row as completed, with a reason that says so, and every host
+    takes that end: the version made current stays current and no step is judged later."""
+    a, b = start_fleet(host_factory, fleet_db, "ab")
+    deploy(a, "fr/hand", source("one"))
+    deploy(a, "fr/hand", source("two"), current=False)
+    r = post(a, "fr/hand/rollout", version=2, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
+    back = post(b, "fr/hand/rollback", version=2)
+    assert back.status_code == 200, back.text
+    with psycopg.connect(fleet_db) as conn:
+        (row,) = conn.execute("SELECT state FROM polyserve_rollouts").fetchall()
+        log = conn.execute("SELECT kind, version FROM polyserve_changes ORDER BY id").fetchall()
+    assert (row[0]["status"], row[0]["reason"]) == (
+        "completed",
+        "version 2 was made current by hand",
+    ), row[0]
+    assert log[-2:] == [("deploy", 2), ("rollout", None)], log
+    until(lambda: all(state(h, "fr/hand")["status"] == "completed" for h in (a, b)))
+    for host in (a, b):
+        assert state(host, "fr/hand")["reason"] == "version 2 was made current by hand"
+        assert answers(host, "fr/hand", 40) == {"one": 0, "two": 40}, host.url
+    r = post(b, "fr/hand/rollout", version=1, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text  # none live: the space's next rollout starts
+
+
+def test_a_rollout_of_a_version_from_before_the_spaces_delete_is_a_404(host_factory, fleet_db):
+    """The fleet store holds every version, but one deployed before the space's delete
+    is not kept by the space deployed again: a rollout of it, or a rollback to it, is a
+    404 listing the kept ones, as on a single host, and nothing is committed."""
+    (a,) = start_fleet(host_factory, fleet_db, "a")
+    deploy(a, "fr/life", source("one"))
+    deploy(a, "fr/life", source("two"), current=False)
+    assert httpx.delete(f"{a.url}/_polyserve/spaces/fr/life", timeout=60).status_code == 200
+    deploy(a, "fr/life", source("three"))
+    deploy(a, "fr/life", source("four"), current=False)
+    for version in (2, 9):
+        r = post(a, "fr/life/rollout", version=version, steps=[50, 100], step_s=3600)
+        assert r.status_code == 404, r.text
+        assert r.json()["kept"] == [3, 4] and f"no version {version}" in r.json()["error"]
+    back = post(a, "fr/life/rollback", version=1)
+    assert back.status_code == 404 and back.json()["kept"] == [3, 4], back.text
+    with psycopg.connect(fleet_db) as conn:
+        assert conn.execute("SELECT count(*) FROM polyserve_rollouts").fetchone() == (0,)
+    assert a.get("/s/fr/life/").json() == {"v": "three"}
+    r = post(a, "fr/life/rollout", version=4, steps=[50, 100], step_s=3600)
+    assert r.status_code == 200, r.text
 
 
 def test_a_rollout_write_a_host_has_not_applied_answers_202_as_its_spec_says(

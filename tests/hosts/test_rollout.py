@@ -244,6 +244,29 @@ def test_a_deploy_or_delete_mid_step_ends_the_rollout_at_once(host):
     assert rollout(host, "ro/gone", version=4).status_code == 200  # none live: it starts
 
 
+def test_a_rollback_to_the_rollouts_new_version_completes_it_and_it_stays_current(host):
+    """A rollback by hand to the new version of a live rollout ends the rollout before
+    its answer, as completed with a reason that says so: the version made current
+    stays current, and no later step judges (or rolls back) anything. The space's own
+    rollout may start again."""
+    deploy(host, "ro/hand", source("one"))
+    deploy(host, "ro/hand", source("two", fail_every=2), current=False)
+    assert rollout(host, "ro/hand", version=2, steps=[50, 100], step_s=1).status_code == 200
+    back = httpx.post(
+        f"{host.url}/_polyserve/spaces/ro/hand/rollback", json={"version": 2}, timeout=30
+    )
+    assert back.status_code == 200, back.text
+    ended = state(host, "ro/hand")
+    assert (ended["status"], ended["reason"]) == ("completed", "version 2 was made current by hand")
+    assert ended["weights"] == {"1": 0, "2": 100} and ended["history"] == []
+    # Half of version 2's answers fail: a live step would roll it back at its end. An
+    # ended rollout is never judged again (the driver looks at live ones only).
+    answers = [host.get("/s/ro/hand/") for _ in range(40)]
+    assert {r.json()["v"] for r in answers if r.status_code == 200} == {"two"}
+    assert current(host, "ro/hand") == 2
+    assert rollout(host, "ro/hand", version=1, step_s=3600).status_code == 200  # none live
+
+
 @pytest.mark.gunicorn
 def test_a_rollout_survives_a_restart_of_the_host(tmp_path: Path):
     one = HostProcess(tmp_path / "data").start()

@@ -123,3 +123,29 @@ def test_a_space_with_no_slot_here_is_checked_from_its_file(tmp_path: Path) -> N
     with pytest.raises(Refused):
         gate.check("o/t", headers(str(minted["key"])))
     assert store.slots.slot("o/t") is None  # none of this took a slot
+
+
+def test_a_keys_rate_holds_for_a_space_with_no_slot_here(tmp_path: Path) -> None:
+    """A lazy-slot host's private space with no slot yet (its first load has not taken
+    one, or the table is full) is read from its file at each request, and its keys'
+    buckets carry over from read to read: the rate holds, and still holds once a slot
+    is taken."""
+    store, table = Store(tmp_path, 4, 3, lazy_slots=True), Table.anonymous(1, 4, CELLS)
+    changes, clock = Changes(store, Broadcast(table, 0)), Clock()
+    staged = store.stage(io.BytesIO(make_tar({"main.py": ""})), "s.tar", 1 << 20)
+    with store.locked():
+        assert store.publish("o/t", staged, {})[0] == NO_SLOT
+    state, minted = access.mint(access.Access(private=True), "o/t", 2.0)
+    assert changes.access("o/t", lambda _before: state) is not None
+    gate, key = Gate(store, table, clock), headers(str(minted["key"]))
+    assert gate.check("o/t", key) == 0
+    assert gate.check("o/t", key) == 0
+    with pytest.raises(Refused) as refused:
+        gate.check("o/t", key)
+    assert refused.value.status == 429
+    assert store.slots.slot("o/t") is None  # still none: each check read the file
+    assert changes.claim("o/t") is not None  # its first load takes one
+    with pytest.raises(Refused):
+        gate.check("o/t", key)  # what it spent is still spent
+    clock.now += 0.5
+    assert gate.check("o/t", key) == 0

@@ -4,6 +4,7 @@ which versions' files a disk budget removes, and which it never does."""
 from __future__ import annotations
 
 import io
+import logging
 import os
 from pathlib import Path
 
@@ -127,3 +128,37 @@ def test_a_pass_goes_on_when_another_removes_files_it_is_measuring(store, table,
     assert len(raced) == 1
     assert len(removed) == 1  # the other two were three; one fits
     assert len(files_here(store)) == 1
+
+
+def test_files_held_over_the_budget_are_warned_of_once_a_minute_and_when_they_fit(
+    store, table, caplog
+):
+    """Every pass over a budget that held files exceed would say so: the warning is said
+    at the first, then again only once its minute has passed, and the files' fitting
+    again is said once (so a later excess is warned of at once)."""
+    publish(store, "u/held", used=100)
+    worker, trimmer = Broadcast(table, 0), Broadcast(table, None)
+    slot = store.slots.slot("u/held")
+    assert slot is not None
+    worker.hold(slot, 1)
+    now = [1000.0]
+    warning = budget.OverBudget(clock=lambda: now[0])
+
+    def said(n: int, limit: int = PAD // 2) -> list[str]:
+        """What n passes under `limit` log, info and up (none removes the held files)."""
+        caplog.clear()
+        for _ in range(n):
+            assert budget.trim(store, trimmer, limit, warning) == []
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+
+    with caplog.at_level(logging.INFO, logger="polyserve"):
+        (first,) = said(100)
+        assert "held by workers" in first
+        now[0] += 59.0
+        assert said(100) == []
+        now[0] += 1.0
+        assert [m for m in said(100) if "held by workers" in m] == [first]
+        (fits,) = said(3, limit=10 * PAD)  # it fits now: said once
+        assert "within its" in fits
+        assert said(3) == [first]  # over again: said at once, not a minute later
+    assert files_here(store) == {("u/held", 1)}

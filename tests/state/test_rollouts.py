@@ -85,3 +85,17 @@ def test_a_slot_taken_during_a_rollout_counts_its_step_from_the_slot_then(tmp_pa
     assert after is not None and after["base"] == [40, 3, 0, 0]
     assert rollouts.step_counts(table, 2, after)["old"]["requests"] == 0
     assert table.rollouts[2] == rollouts.word_of(after) != 0
+
+
+def test_a_move_of_current_ends_a_live_rollout_by_where_it_goes():
+    """To the old version: it goes on; elsewhere or a delete: aborted; to its new version
+    by hand: completed, except in a fleet host's copy, which the fleet's row ends."""
+    state = rollouts.started("o/s", rollouts.parse(b'{"version": 3}'), 2)
+    assert rollouts.interrupted(state, 2) is None
+    assert rollouts.interrupted(state, 4) == ("aborted", "version 4 was made current meanwhile")
+    assert rollouts.interrupted(state, None) == ("aborted", "the space was deleted")
+    assert rollouts.interrupted(state, 3) == ("completed", "version 3 was made current by hand")
+    assert rollouts.interrupted(state, 3, own=False) is None
+    assert rollouts.interrupted(state, 4, own=False) == rollouts.interrupted(state, 4)
+    rollouts.over(state, "aborted", "aborted on request", 0.0)
+    assert rollouts.interrupted(state, 3) is None  # over already
