@@ -26,6 +26,7 @@ CHANNEL = "polyserve_changes"
 CONNECT_TIMEOUT_S = 5
 TCP_USER_TIMEOUT_MS = 10_000  # unacknowledged data this long: the link is gone
 TIMEOUT_S = 10.0  # POLYSERVE_FLEET_TIMEOUT_S's default, for callers without settings
+WATCH_SLACK_S = 0.05  # how late past its deadline a call's connection may be broken
 
 
 class Unreachable(ClientError):
@@ -225,11 +226,18 @@ class _Watchdog:
         while True:
             with self._ready:
                 while not self._heap or self._heap[0][0] > time.monotonic():
-                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                    # A little late on purpose: one wake-up takes every deadline that
+                    # came up meanwhile, not one wake-up per call of a busy process.
+                    wait = (
+                        self._heap[0][0] - time.monotonic() + WATCH_SLACK_S if self._heap else None
+                    )
                     self._ready.wait(wait)
-                _, _, deadline = heapq.heappop(self._heap)
-            if not deadline.done:
-                deadline.expire()
+                now, due = time.monotonic(), []
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap)[2])
+            for deadline in due:
+                if not deadline.done:
+                    deadline.expire()
 
 
 _WATCHDOG = _Watchdog()
