@@ -69,7 +69,9 @@ def test_a_fast_model_runs_on_the_event_loop_thread():
     for _ in range(20):
         assert infer(app, 1, 4)["outputs"][0]["data"] == [2.0] * 4
     assert set(threads) == {threading.get_ident()}
-    assert app._place.slow == 0
+    # Not `slow == 0`: one run slowed by a busy core counts as slow, and is meant to
+    # change nothing; the next run stays on the loop all the same.
+    assert app._place.inline
 
 
 def test_a_slow_model_moves_to_the_spaces_threads_and_one_slow_run_does_not():
