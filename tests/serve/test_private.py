@@ -4,7 +4,7 @@ kept as digests only, and counted per key in usage; refused requests counted now
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx2 as httpx
 import pytest
@@ -50,24 +50,27 @@ def usage_of(host: HostProcess, space: str) -> dict[str, object]:
 
 
 @pytest.fixture
-def pinned(host: HostProcess) -> Iterator[dict[int, httpx.Client]]:
-    """One kept-alive connection per worker, by the pid that answers on it."""
-    clients: dict[int, httpx.Client] = {}
-    spare: list[httpx.Client] = []
+def pin(host: HostProcess) -> Iterator[Callable[[], dict[int, httpx.Client]]]:
+    """One kept-alive connection per worker, by the pid that answers on it, made when
+    the test asks: an idle connection outlives the server's keep-alive timeout only so
+    long, and a slow setup before it would let it lapse."""
+    made: list[httpx.Client] = []
     deploy(host, "probe/pids")
 
-    def one_more() -> bool:
-        client = httpx.Client(base_url=host.url, timeout=30)
-        pid = client.get("/s/probe/pids/").json()["pid"]
-        if pid in clients:
-            spare.append(client)
-        else:
-            clients[pid] = client
-        return len(clients) == WORKERS
+    def pinned() -> dict[int, httpx.Client]:
+        clients: dict[int, httpx.Client] = {}
 
-    until(one_more, what="a connection to every worker")
-    yield clients
-    for client in [*clients.values(), *spare]:
+        def one_more() -> bool:
+            client = httpx.Client(base_url=host.url, timeout=30)
+            made.append(client)
+            clients.setdefault(client.get("/s/probe/pids/").json()["pid"], client)
+            return len(clients) == WORKERS
+
+        until(one_more, what="a connection to every worker")
+        return clients
+
+    yield pinned
+    for client in made:
         client.close()
 
 
@@ -96,13 +99,14 @@ def test_private_space_needs_a_key(host: HostProcess) -> None:
 
 
 def test_revoked_key_is_refused_on_every_worker(
-    host: HostProcess, pinned: dict[int, httpx.Client]
+    host: HostProcess, pin: Callable[[], dict[int, httpx.Client]]
 ) -> None:
     """After the revoke's 200, each worker (its own kept-alive connection) answers 401."""
     space = "alice/revoked"
     deploy(host, space)
     make_private(host, space)
     key = mint(host, space)
+    pinned = pin()
     for pid, client in pinned.items():
         answer = client.get(f"/s/{space}/", headers=bearer(key["key"]))
         assert answer.status_code == 200 and answer.json()["pid"] == pid
