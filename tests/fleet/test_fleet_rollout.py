@@ -16,22 +16,11 @@ import pytest
 from polyserve.fleet.catchup import EAGER_LIMIT
 from tests.fleet.test_fleet import FAST, _client, fleet, start_fleet, wait_live  # noqa: F401
 from tests.helpers import HostProcess, alive, until
+from tests.hosts.test_rollout import deployed as deploy
 from tests.hosts.test_rollout import source
 from tests.postgres import PostgresServer
 
 pytestmark = pytest.mark.postgres
-
-
-def deploy(host: HostProcess, space: str, content: str, current: bool = True) -> dict:
-    data = {"space": space} if current else {"space": space, "current": "false"}
-    r = httpx.post(
-        host.url + "/_polyserve/deploy",
-        data=data,
-        files={"module": ("main.py", content.encode())},
-        timeout=60,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def post(host: HostProcess, path: str, **body: object) -> httpx.Response:

@@ -28,7 +28,8 @@ def source(version: str, fail_every: int = 0) -> str:
     )
 
 
-def deploy(host: HostProcess, space: str, content: str, current: bool = True) -> int:
+def deployed(host: HostProcess, space: str, content: str, current: bool = True) -> dict:
+    """The 200 answer of a deploy of `content` as main.py (current=False: kept beside)."""
     data = {"space": space} if current else {"space": space, "current": "false"}
     answer = httpx.post(
         host.url + "/_polyserve/deploy",
@@ -37,7 +38,11 @@ def deploy(host: HostProcess, space: str, content: str, current: bool = True) ->
         timeout=60,
     )
     assert answer.status_code == 200, answer.text
-    return int(answer.json()["version"])
+    return answer.json()
+
+
+def deploy(host: HostProcess, space: str, content: str, current: bool = True) -> int:
+    return int(deployed(host, space, content, current)["version"])
 
 
 def rollout(host: HostProcess, space: str, **body: object) -> httpx.Response:
